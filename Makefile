@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[serve,client,test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/splitserve serve --model tiny --layout both
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check backends client kernels scripts tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check backends client kernels scripts tests
+	$(VENV)/bin/ruff format --check backends client kernels scripts tests
+
+clean:
+	rm -rf $(VENV)

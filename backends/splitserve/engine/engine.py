@@ -1,0 +1,118 @@
+"""The continuous-batching engine: schedule, run, postprocess."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.engine.output import OutputState, RequestOutput
+from splitserve.engine.request import Request, Status
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import sample
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import KVLoader, Scheduler, SchedulerLimits
+from splitserve.engine.validate import validate_prompt
+from splitserve.kv.pool import KVPool
+from splitserve.model.llama import LlamaForCausalLM
+from splitserve.tokenizer import Tokenizer
+
+
+class Engine:
+    """Prefills and decodes requests in one loop; also admits requests prefilled elsewhere."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        tokenizer: Tokenizer,
+        limits: SchedulerLimits,
+        max_model_len: int,
+    ) -> None:
+        self.runner = ModelRunner(model, pool)
+        self.scheduler = Scheduler(pool.allocator, limits)
+        self.tokenizer = tokenizer
+        self.eos_ids = tuple(tokenizer.eos_token_ids) or model.cfg.eos_token_ids
+        self.vocab_size = model.cfg.vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = pool.layout.block_size
+        self.states: dict[str, OutputState] = {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def _new_state(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        validate_prompt(prompt_ids, self.vocab_size, self.max_model_len)
+        req = Request(request_id, list(prompt_ids), params)
+        self.states[request_id] = OutputState(
+            req, self.tokenizer, self.eos_ids, self.vocab_size, self.max_model_len
+        )
+        return req
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.scheduler.add(self._new_state(request_id, prompt_ids, params))
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        seed: int,
+        load: KVLoader,
+    ) -> RequestOutput:
+        """Admit a request whose prompt KV another engine computed and whose first token it
+        sampled. ``load(dst_block_ids)`` copies that KV in once blocks are free here; it is
+        never called if the first token already ends the request."""
+        req = self._new_state(request_id, prompt_ids, params)
+        req.seed = seed
+        req.num_computed = len(prompt_ids)
+        state = self.states[request_id]
+        state.append(first_token)
+        out = state.take()
+        if req.finished:
+            del self.states[request_id]
+        else:
+            self.scheduler.add_prefilled(req, load)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks. False if it is unknown."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return False
+        req = state.req
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if plan.decodes:
+            logits = self.runner.decode(plan.decodes)
+            outputs += self._postprocess(plan.decodes, logits)
+        if plan.prefills:
+            logits = self.runner.prefill(plan.prefills)
+            done = [i for i, (r, _) in enumerate(plan.prefills) if r.num_computed == r.num_tokens]
+            if done:
+                reqs = [plan.prefills[i][0] for i in done]
+                outputs += self._postprocess(reqs, logits[done])
+        return outputs
+
+    def _postprocess(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[RequestOutput]:
+        states = [self.states[r.request_id] for r in reqs]
+        suppress = [s.suppressed() for s in states]
+        tokens = sample(logits, reqs, suppress)
+        outputs = []
+        for state, token in zip(states, tokens, strict=True):
+            state.append(token)
+            outputs.append(state.take())
+            req = state.req
+            if req.finished:
+                self.scheduler.remove(req)
+                del self.states[req.request_id]
+        return outputs

@@ -1,0 +1,60 @@
+"""The prefill stage of disaggregated serving: one packed pass over many prompts.
+
+Each request's KV stays in its blocks after the pass; the caller hands the block ids over (as a
+lease) and frees them once decode has pulled them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from splitserve.engine.request import Request
+from splitserve.engine.runner import ModelRunner
+from splitserve.engine.sampler import sample, suppressed_tokens
+from splitserve.engine.validate import validate_prompt
+from splitserve.kv.allocator import OutOfBlocks
+from splitserve.kv.pool import KVPool
+from splitserve.model.llama import LlamaForCausalLM
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        eos_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> None:
+        self.runner = ModelRunner(model, pool)
+        self.allocator = pool.allocator
+        self.block_size = pool.layout.block_size
+        self.eos_ids = eos_ids
+        self.vocab_size = model.cfg.vocab_size
+        self.max_model_len = max_model_len
+
+    def prefill(self, reqs: Sequence[Request]) -> list[int]:
+        """Compute every prompt in one forward pass; returns each request's first token.
+
+        On success each ``req.block_ids`` holds its prompt's KV (owned by the caller now).
+        Raises OutOfBlocks, with nothing allocated, when the pool cannot hold them all.
+        """
+        for req in reqs:
+            validate_prompt(req.prompt_ids, self.vocab_size, self.max_model_len)
+        need = sum(-(-len(r.prompt_ids) // self.block_size) for r in reqs)
+        if not self.allocator.can_allocate(need):
+            raise OutOfBlocks(f"prefill needs {need} blocks, {self.allocator.num_free} free")
+        for req in reqs:
+            req.block_ids = self.allocator.allocate(-(-len(req.prompt_ids) // self.block_size))
+        try:
+            logits = self.runner.prefill([(r, len(r.prompt_ids)) for r in reqs])
+        except BaseException:
+            for req in reqs:
+                self.free(req)
+            raise
+        suppress = [suppressed_tokens(r.params, 0, self.eos_ids, self.vocab_size) for r in reqs]
+        return sample(logits, reqs, suppress)
+
+    def free(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []

@@ -1,0 +1,148 @@
+"""Continuous batching: which requests run this step, and the KV blocks they need.
+
+Running requests decode one token per step. Waiting requests are prefilled (whole, or in chunks
+when ``chunked_prefill`` is on) within a token budget. Requests whose KV was computed elsewhere
+wait in ``arrived`` until blocks are free, then their KV is loaded and they join the batch.
+When a running request needs a block and none is free, the newest running request is preempted:
+its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from splitserve.engine.request import Request, Status
+from splitserve.kv.allocator import BlockAllocator
+
+KVLoader = Callable[[list[int]], None]
+"""Fills the given destination blocks with a handed-over request's KV."""
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[Request] = field(default_factory=list)
+    prefills: list[tuple[Request, int]] = field(default_factory=list)
+    """Requests to prefill and how many of their uncached tokens to compute this step."""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decodes or self.prefills)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool = False
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, limits: SchedulerLimits) -> None:
+        self.allocator = allocator
+        self.limits = limits
+        self.waiting: deque[Request] = deque()
+        self.arrived: deque[tuple[Request, KVLoader]] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.arrived) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_prefilled(self, req: Request, load: KVLoader) -> None:
+        """``req`` has ``num_computed`` prompt tokens cached elsewhere and one sampled token."""
+        self.arrived.append((req, load))
+
+    def _blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.limits.block_size) - len(req.block_ids))
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        need = self._blocks_needed(req, num_tokens)
+        if not self.allocator.can_allocate(need):
+            return False
+        req.block_ids += self.allocator.allocate(need)
+        return True
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of whichever queue holds it and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            self.arrived = deque(a for a in self.arrived if a[0] is not req)
+        self.free(req)
+
+    def free(self, req: Request) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+
+    def _preempt(self, victim: Request) -> None:
+        self.num_preemptions += 1
+        self.running.remove(victim)
+        self.free(victim)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._schedule_decodes(out)
+        self._admit_arrived(out)
+        self._schedule_prefills(out)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        for req in list(self.running):
+            if req not in self.running or not req.is_decoding:
+                continue
+            while not self._grow(req, req.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                out.decodes.append(req)
+
+    def _admit_arrived(self, out: SchedulerOutput) -> None:
+        while self.arrived and len(self.running) < self.limits.max_num_seqs:
+            req, load = self.arrived[0]
+            if not self._grow(req, req.num_tokens):
+                break
+            self.arrived.popleft()
+            load(req.block_ids)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.decodes.append(req)
+
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        budget = self.limits.max_num_batched_tokens - len(out.decodes)
+        for req in self.running:
+            if not req.is_decoding and req.num_computed < req.num_tokens:
+                budget -= self._add_prefill(out, req, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting[0]
+            taken = self._add_prefill(out, req, budget)
+            if not taken:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget -= taken
+
+    def _add_prefill(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed
+        if remaining > budget and not (self.limits.chunked_prefill or not out.prefills):
+            return 0
+        chunk = min(remaining, budget) if self.limits.chunked_prefill else remaining
+        if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
+            return 0
+        out.prefills.append((req, chunk))
+        return chunk

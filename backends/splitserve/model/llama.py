@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama 2/3/3.x, Qwen2, Mistral) over a paged KV cache.
+
+Projections are fused (q|k|v and gate|up) to halve the matmul calls per layer; the loader
+slices Hugging Face tensors into them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import splitserve_kernels as kernels
+from splitserve.model.batch import ForwardBatch
+from splitserve.model.config import ModelConfig
+from splitserve.model.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.index = index
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_proj = _param(q + 2 * kv, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = (
+            _param(q + 2 * kv, dtype=dtype, device=device) if cfg.attention_bias else None
+        )
+        self.o_proj = _param(cfg.hidden_size, q, dtype=dtype, device=device)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        x = rms_norm(h, self.input_layernorm, cfg.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        kernels.write_kv(cache, self.index, k, v, batch.slot_blocks, batch.slot_offsets)
+        attn = self._attention(q, k, v, batch, cache)
+        h = h + F.linear(attn.reshape(attn.shape[0], -1), self.o_proj)
+        x = rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_proj)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        window = self.cfg.sliding_window
+        if batch.is_decode:
+            assert batch.block_tables is not None and batch.seq_lens is not None
+            return kernels.paged_decode_attention(
+                q, cache, self.index, batch.block_tables, batch.seq_lens, self.scale, window
+            )
+        assert batch.cu_seqlens_q is not None
+        if batch.has_context:
+            assert batch.seq_block_tables is not None and batch.context_lens is not None
+            cu_k = batch.cu_seqlens_k
+            parts = [
+                kernels.gather_kv(cache, self.index, table, cu_k[i + 1] - cu_k[i])
+                for i, table in enumerate(batch.seq_block_tables)
+            ]
+            k = torch.cat([p[0] for p in parts])
+            v = torch.cat([p[1] for p in parts])
+        else:
+            cu_k = batch.cu_seqlens_q
+        return kernels.varlen_prefill_attention(
+            q, k, v, batch.cu_seqlens_q, cu_k, self.scale, window
+        )
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu", max_positions: int = 0
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(
+            cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, device
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) ``[len(batch.logits_indices), vocab]``; writes the batch's KV."""
+        h = F.embedding(batch.input_ids, self.embed_tokens)
+        cos, sin = self.rotary.tables(batch.positions, self.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, cache)
+        h = h[batch.logits_indices]
+        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,94 @@
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler, SchedulerLimits
+from splitserve.kv.allocator import BlockAllocator
+
+
+def _req(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8))
+
+
+def _sched(blocks: int, budget: int = 64, chunked: bool = False) -> Scheduler:
+    limits = SchedulerLimits(block_size=4, max_num_seqs=8, max_num_batched_tokens=budget,
+                             chunked_prefill=chunked)
+    return Scheduler(BlockAllocator(blocks), limits)
+
+
+def _finish_prefill(s: Scheduler, token: int = 7) -> None:
+    plan = s.schedule()
+    for req, n in plan.prefills:
+        req.num_computed += n
+        if req.num_computed == req.num_tokens:
+            req.output_ids.append(token)
+
+
+def test_prefill_allocates_exact_blocks():
+    s = _sched(8)
+    a, b = _req("a", 5), _req("b", 4)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(r.request_id, n) for r, n in plan.prefills] == [("a", 5), ("b", 4)]
+    assert a.block_ids == [0, 1] and b.block_ids == [2]
+
+
+def test_decode_grows_a_block_at_the_boundary():
+    s = _sched(8)
+    a = _req("a", 4)
+    s.add(a)
+    _finish_prefill(s)
+    assert a.block_ids == [0]
+    plan = s.schedule()
+    assert plan.decodes == [a] and a.block_ids == [0, 1]
+
+
+def test_token_budget_defers_prompts_without_chunking():
+    s = _sched(16, budget=6)
+    a, b = _req("a", 5), _req("b", 5)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [r.request_id for r, _ in plan.prefills] == ["a"]
+    assert list(s.waiting) == [b]
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    s = _sched(16, budget=6, chunked=True)
+    a = _req("a", 10)
+    s.add(a)
+    plan = s.schedule()
+    assert plan.prefills == [(a, 6)]
+    a.num_computed += 6
+    plan = s.schedule()
+    assert plan.prefills == [(a, 4)]
+
+
+def test_preempts_newest_when_out_of_blocks():
+    s = _sched(2)
+    a, b = _req("a", 4), _req("b", 4)
+    s.add(a)
+    s.add(b)
+    _finish_prefill(s)
+    plan = s.schedule()
+    assert plan.decodes == [a]
+    assert b.block_ids == [] and b.num_computed == 0 and s.waiting[0] is b
+    assert a.block_ids == [0, 1]
+
+
+def test_prefilled_requests_wait_for_blocks_then_load():
+    s = _sched(3)
+    loaded: list[list[int]] = []
+    a = _req("a", 8)
+    a.num_computed, a.output_ids = 8, [9]
+    b = _req("b", 8)
+    b.num_computed, b.output_ids = 8, [9]
+    s.add_prefilled(a, loaded.append)
+    s.add_prefilled(b, loaded.append)
+    plan = s.schedule()
+    assert plan.decodes == [a] and loaded == [[0, 1, 2]]
+    assert len(s.arrived) == 1
+    s.remove(a)
+    plan = s.schedule()
+    assert plan.decodes == [b] and loaded[-1] == [0, 1, 2]
+    s.remove(b)
+    assert s.allocator.num_used == 0
