@@ -81,6 +81,24 @@ def test_chunked_prefill_and_preemption_keep_outputs(parts):
     assert small.scheduler.num_preemptions > 0
 
 
+class CopySource:
+    """Hands KV over by copying blocks between two in-process pools."""
+
+    def __init__(self, prefill: PrefillEngine, req: Request, dst_pool: KVPool) -> None:
+        self.prefill, self.req, self.dst_pool = prefill, req, dst_pool
+        self.loaded = self.discarded = False
+
+    def load(self, dst: list[int]) -> None:
+        data = self.prefill.runner.pool.read_blocks(self.req.block_ids)
+        self.dst_pool.write_blocks(dst, data)
+        self.loaded = True
+        self.prefill.free(self.req)
+
+    def discard(self) -> None:
+        self.discarded = True
+        self.prefill.free(self.req)
+
+
 def test_handoff_prefill_on_a_decode_on_b(parts):
     prefill = PrefillEngine(parts.model, parts.new_pool(), parts.eos_ids, parts.max_model_len)
     decode = new_engine(parts)
@@ -88,16 +106,28 @@ def test_handoff_prefill_on_a_decode_on_b(parts):
     first = prefill.prefill(reqs)
     got: dict[str, list[int]] = {}
     for req, tok in zip(reqs, first, strict=True):
-        def load(dst: list[int], src: list[int] = req.block_ids) -> None:
-            decode.runner.pool.write_blocks(dst, prefill.runner.pool.read_blocks(src))
-        out = decode.add_prefilled(req.request_id, req.prompt_ids, GREEDY, tok, req.seed, load)
+        source = CopySource(prefill, req, decode.runner.pool)
+        out = decode.add_prefilled(req.request_id, req.prompt_ids, GREEDY, tok, req.seed, source)
         got[req.request_id] = out.new_token_ids
     while decode.has_unfinished():
         for o in decode.step():
             got[o.request_id] += o.new_token_ids
-    for req in reqs:
-        prefill.free(req)
     assert [got[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
+    assert prefill.allocator.num_used == 0 and decode.scheduler.allocator.num_used == 0
+
+
+def test_handoff_sources_are_discarded_when_never_loaded(parts):
+    prefill = PrefillEngine(parts.model, parts.new_pool(), parts.eos_ids, parts.max_model_len)
+    decode = new_engine(parts)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    reqs = [Request("a", PROMPTS[0], one), Request("b", PROMPTS[1], GREEDY)]
+    first = prefill.prefill(reqs)
+    src_a = CopySource(prefill, reqs[0], decode.runner.pool)
+    out = decode.add_prefilled("a", PROMPTS[0], one, first[0], 0, src_a)
+    assert out.finished and out.finish_reason == "length" and src_a.discarded and not src_a.loaded
+    src_b = CopySource(prefill, reqs[1], decode.runner.pool)
+    decode.add_prefilled("b", PROMPTS[1], GREEDY, first[1], 0, src_b)
+    assert decode.abort("b") and src_b.discarded and not src_b.loaded
     assert prefill.allocator.num_used == 0 and decode.scheduler.allocator.num_used == 0
 
 

@@ -75,6 +75,17 @@ def test_preempts_newest_when_out_of_blocks():
     assert a.block_ids == [0, 1]
 
 
+class RecordingSource:
+    def __init__(self, log: list[list[int]]) -> None:
+        self.log = log
+
+    def load(self, dst: list[int]) -> None:
+        self.log.append(list(dst))
+
+    def discard(self) -> None:
+        self.log.append([])
+
+
 def test_prefilled_requests_wait_for_blocks_then_load():
     s = _sched(3)
     loaded: list[list[int]] = []
@@ -82,8 +93,8 @@ def test_prefilled_requests_wait_for_blocks_then_load():
     a.num_computed, a.output_ids = 8, [9]
     b = _req("b", 8)
     b.num_computed, b.output_ids = 8, [9]
-    s.add_prefilled(a, loaded.append)
-    s.add_prefilled(b, loaded.append)
+    s.add_prefilled(a, RecordingSource(loaded))
+    s.add_prefilled(b, RecordingSource(loaded))
     plan = s.schedule()
     assert plan.decodes == [a] and loaded == [[0, 1, 2]]
     assert len(s.arrived) == 1

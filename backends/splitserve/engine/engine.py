@@ -11,7 +11,7 @@ from splitserve.engine.request import Request, Status
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import sample
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import KVLoader, Scheduler, SchedulerLimits
+from splitserve.engine.scheduler import KVSource, Scheduler, SchedulerLimits
 from splitserve.engine.validate import validate_prompt
 from splitserve.kv.pool import KVPool
 from splitserve.model.llama import LlamaForCausalLM
@@ -61,12 +61,16 @@ class Engine:
         params: SamplingParams,
         first_token: int,
         seed: int,
-        load: KVLoader,
+        source: KVSource,
     ) -> RequestOutput:
         """Admit a request whose prompt KV another engine computed and whose first token it
-        sampled. ``load(dst_block_ids)`` copies that KV in once blocks are free here; it is
-        never called if the first token already ends the request."""
-        req = self._new_state(request_id, prompt_ids, params)
+        sampled. ``source.load`` copies that KV in once blocks are free here; if the request
+        ends first (on its first token, or aborted while waiting), ``source.discard`` is called."""
+        try:
+            req = self._new_state(request_id, prompt_ids, params)
+        except ValueError:
+            source.discard()
+            raise
         req.seed = seed
         req.num_computed = len(prompt_ids)
         state = self.states[request_id]
@@ -74,8 +78,9 @@ class Engine:
         out = state.take()
         if req.finished:
             del self.states[request_id]
+            source.discard()
         else:
-            self.scheduler.add_prefilled(req, load)
+            self.scheduler.add_prefilled(req, source)
         return out
 
     def abort(self, request_id: str) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -26,6 +30,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0.0, "must be non-negative"),
@@ -43,6 +48,22 @@ class SamplingParams:
         for name, ok, what in checks:
             if not ok:
                 raise ValueError(f"{name} {what}, got {getattr(self, name)!r}")
+
+    def _check_types(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "seed" and value is None:
+                continue
+            if f.type in ("int", "int | None") and not _is_int(value):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            if f.type == "float":
+                if not (_is_int(value) or isinstance(value, float)):
+                    raise ValueError(f"{f.name} must be a number, got {value!r}")
+                setattr(self, f.name, float(value))
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a boolean, got {value!r}")
+            if f.type.startswith("list") and not isinstance(value, list):
+                raise ValueError(f"{f.name} must be a list, got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -10,14 +10,20 @@ its blocks are freed and it is recomputed later from its tokens.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator
 
-KVLoader = Callable[[list[int]], None]
-"""Fills the given destination blocks with a handed-over request's KV."""
+class KVSource(Protocol):
+    """Where a handed-over request's KV lives until it is copied into this pool."""
+
+    def load(self, dst_block_ids: list[int]) -> None:
+        """Copy the KV into these local blocks, then let the owner free its copy."""
+
+    def discard(self) -> None:
+        """The request ended before loading: let the owner free its copy."""
 
 
 @dataclass
@@ -44,7 +50,7 @@ class Scheduler:
         self.allocator = allocator
         self.limits = limits
         self.waiting: deque[Request] = deque()
-        self.arrived: deque[tuple[Request, KVLoader]] = deque()
+        self.arrived: deque[tuple[Request, KVSource]] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -55,9 +61,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def add_prefilled(self, req: Request, load: KVLoader) -> None:
+    def add_prefilled(self, req: Request, source: KVSource) -> None:
         """``req`` has ``num_computed`` prompt tokens cached elsewhere and one sampled token."""
-        self.arrived.append((req, load))
+        self.arrived.append((req, source))
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.limits.block_size) - len(req.block_ids))
@@ -76,7 +82,11 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         else:
-            self.arrived = deque(a for a in self.arrived if a[0] is not req)
+            for item in self.arrived:
+                if item[0] is req:
+                    self.arrived.remove(item)
+                    item[1].discard()
+                    break
         self.free(req)
 
     def free(self, req: Request) -> None:
@@ -113,11 +123,11 @@ class Scheduler:
 
     def _admit_arrived(self, out: SchedulerOutput) -> None:
         while self.arrived and len(self.running) < self.limits.max_num_seqs:
-            req, load = self.arrived[0]
+            req, source = self.arrived[0]
             if not self._grow(req, req.num_tokens):
                 break
             self.arrived.popleft()
-            load(req.block_ids)
+            source.load(req.block_ids)
             req.status = Status.RUNNING
             self.running.append(req)
             out.decodes.append(req)

@@ -1,0 +1,150 @@
+"""One thread that owns an engine: applies submitted work, steps, and routes outputs.
+
+The Triton adapters only enqueue: requests, handed-over requests and aborts go through the
+inbox and are applied between steps, so the engine itself is only ever touched by this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from splitserve.engine.engine import Engine
+from splitserve.engine.output import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import KVSource
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Where one request's outputs go (a Triton response sender, or a list in tests)."""
+
+    def send(self, out: RequestOutput) -> None:
+        """Deliver an output; the one with ``finished`` set is the last."""
+
+    def fail(self, message: str) -> None:
+        """End the request with an error."""
+
+    def cancelled(self) -> bool:
+        """Whether the client gave up on the request."""
+
+
+Command = Callable[[Engine], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, cancel_poll_s: float = 0.02, name: str = "engine") -> None:
+        self.engine = engine
+        self.cancel_poll_s = cancel_poll_s
+        self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopped = False
+        self.num_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped = True
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sinks)
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        def command(engine: Engine) -> None:
+            engine.add_request(rid, prompt_ids, params)
+            self._sinks[rid] = sink
+
+        self._submit(command, sink)
+
+    def add_prefilled(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        first_token: int,
+        seed: int,
+        source: KVSource,
+        sink: Sink,
+    ) -> None:
+        def command(engine: Engine) -> None:
+            out = engine.add_prefilled(rid, prompt_ids, params, first_token, seed, source)
+            if not out.finished:
+                self._sinks[rid] = sink
+            sink.send(out)
+
+        self._submit(command, sink)
+
+    def call(self, fn: Command) -> None:
+        """Run ``fn(engine)`` on the loop thread between steps."""
+        self._inbox.put(fn)
+
+    def _submit(self, command: Command, sink: Sink) -> None:
+        def guarded(engine: Engine) -> None:
+            try:
+                command(engine)
+            except ValueError as exc:
+                sink.fail(str(exc))
+
+        self._inbox.put(guarded)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    item(self.engine)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _poll_cancelled(self) -> None:
+        for rid, sink in list(self._sinks.items()):
+            if sink.cancelled():
+                self.engine.abort(rid)
+                del self._sinks[rid]
+                sink.send(self._cancelled_output(rid))
+
+    @staticmethod
+    def _cancelled_output(rid: str) -> RequestOutput:
+        return RequestOutput(rid, [], "", True, "cancelled", 0, 0)
+
+    def _run(self) -> None:
+        last_poll = time.monotonic()
+        while not self._stopped:
+            self._drain(block=not self.engine.has_unfinished())
+            if time.monotonic() - last_poll >= self.cancel_poll_s:
+                self._poll_cancelled()
+                last_poll = time.monotonic()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - every request must still end
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {exc}")
+                continue
+            self.num_steps += 1
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finished:
+                    del self._sinks[out.request_id]
+                sink.send(out)
+        self._fail_all("server is shutting down")
+
+    def _fail_all(self, message: str) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid)
+            sink.fail(message)
+        self._sinks.clear()

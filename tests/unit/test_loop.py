@@ -1,0 +1,70 @@
+import threading
+
+from splitserve import SamplingParams
+from splitserve.config import EngineConfig
+from splitserve.engine.build import build_components, scheduler_limits
+from splitserve.engine.engine import Engine
+from splitserve.engine.output import RequestOutput
+from splitserve.serving.loop import EngineLoop
+
+
+class ListSink:
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.outputs: list[RequestOutput] = []
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.cancel_after = cancel_after
+
+    def send(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
+        if out.finished:
+            self.done.set()
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.done.set()
+
+    def cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.outputs) >= self.cancel_after
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.new_token_ids]
+
+
+def make_loop() -> EngineLoop:
+    cfg = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128)
+    parts = build_components(cfg)
+    engine = Engine(parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len)
+    return EngineLoop(engine, cancel_poll_s=0.0)
+
+
+def test_streams_requests_and_ends_each_once():
+    loop = make_loop()
+    loop.start()
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sinks = [ListSink() for _ in range(4)]
+    for i, sink in enumerate(sinks):
+        loop.add_request(str(i), [256, 10 + i, 20], p, sink)
+    bad = ListSink()
+    loop.add_request("bad", [], p, bad)
+    for sink in [*sinks, bad]:
+        assert sink.done.wait(10)
+    loop.stop()
+    for sink in sinks:
+        assert len(sink.tokens) == 12 and [o.finished for o in sink.outputs].count(True) == 1
+        assert sink.outputs[-1].finished and sink.outputs[-1].finish_reason == "length"
+    assert bad.error is not None and "prompt" in bad.error
+    assert loop.engine.scheduler.allocator.num_used == 0
+
+
+def test_cancelled_request_is_dropped_and_freed():
+    loop = make_loop()
+    loop.start()
+    sink = ListSink(cancel_after=3)
+    loop.add_request("c", [256, 1, 2], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), sink)
+    assert sink.done.wait(10)
+    loop.stop()
+    assert sink.outputs[-1].finish_reason == "cancelled"
+    assert len(sink.tokens) < 10
+    assert loop.engine.scheduler.allocator.num_used == 0 and not loop.engine.has_unfinished()
