@@ -75,9 +75,7 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def matmul_params(model: LlamaForCausalLM) -> int:
-    per_layer = sum(
-        p.numel() for n, p in model.layers[0].named_parameters() if p.dim() == 2
-    )
+    per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters() if p.dim() == 2)
     return per_layer * model.cfg.num_layers
 
 
@@ -95,7 +93,9 @@ def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
 
 
 def ours_decode(parts: Components, cfg: EngineConfig, batch: int, prompt: int, steps: int) -> float:
-    engine = Engine(parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len)
+    engine = Engine(
+        parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
+    )
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(_prompts(parts.model.cfg.vocab_size, batch, prompt)):
         engine.add_request(str(i), ids, params)
@@ -107,7 +107,9 @@ def ours_decode(parts: Components, cfg: EngineConfig, batch: int, prompt: int, s
 
 
 def ours_prefill(parts: Components, cfg: EngineConfig, batch: int, prompt: int) -> float:
-    engine = Engine(parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len)
+    engine = Engine(
+        parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(_prompts(parts.model.cfg.vocab_size, batch, prompt)):
         engine.add_request(str(i), ids, params)
@@ -149,7 +151,9 @@ def hf_prefill(hf: torch.nn.Module, vocab: int, batch: int, prompt: int) -> floa
 
 
 def bench_model(args: argparse.Namespace, model: str, bw: float, flops: float) -> list[Row]:
-    cfg = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.prompt_len + args.steps + 8)
+    cfg = EngineConfig(
+        model=model, dtype=args.dtype, max_model_len=args.prompt_len + args.steps + 8
+    )
     parts = build_components(cfg)
     hf = hf_model(model, parts, getattr(torch, args.dtype))
     vocab = parts.model.cfg.vocab_size
@@ -159,13 +163,21 @@ def bench_model(args: argparse.Namespace, model: str, bw: float, flops: float) -
     jobs = [("decode", b) for b in args.batches] + [("prefill", args.prefill_batch)]
     for phase, batch in tqdm(jobs, desc=f"bench {name}"):
         if phase == "decode":
-            ours = max(ours_decode(parts, cfg, batch, args.decode_prompt, args.steps) for _ in range(args.repeats))
-            theirs = max(hf_decode(hf, vocab, batch, args.decode_prompt, args.steps) for _ in range(args.repeats))
+            ours = max(
+                ours_decode(parts, cfg, batch, args.decode_prompt, args.steps)
+                for _ in range(args.repeats)
+            )
+            theirs = max(
+                hf_decode(hf, vocab, batch, args.decode_prompt, args.steps)
+                for _ in range(args.repeats)
+            )
             ctx = args.decode_prompt + args.steps / 2
             step_bytes = weight_bytes(parts.model) + batch * ctx * kv_token_bytes
             limit = batch * bw / step_bytes
         else:
-            ours = max(ours_prefill(parts, cfg, batch, args.prompt_len) for _ in range(args.repeats))
+            ours = max(
+                ours_prefill(parts, cfg, batch, args.prompt_len) for _ in range(args.repeats)
+            )
             theirs = max(hf_prefill(hf, vocab, batch, args.prompt_len) for _ in range(args.repeats))
             limit = args.prompt_len * flops / prefill_flops(parts.model, args.prompt_len)
         rows.append(Row(name, phase, batch, ours, theirs, limit))
@@ -186,14 +198,20 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     bw, flops = memory_bandwidth(), matmul_flops(dtype)
-    print(f"threads={torch.get_num_threads()} copy bandwidth={bw / 1e9:.1f} GB/s "
-          f"matmul={flops / 1e9:.1f} GFLOP/s ({args.dtype})")
+    print(
+        f"threads={torch.get_num_threads()} copy bandwidth={bw / 1e9:.1f} GB/s "
+        f"matmul={flops / 1e9:.1f} GFLOP/s ({args.dtype})"
+    )
     rows = [r for m in args.model or ["tiny"] for r in bench_model(args, m, bw, flops)]
-    print(f"{'model':<12}{'phase':<9}{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>10}"
-          f"{'ours/HF':>9}{'limit tok/s':>13}{'of limit':>10}")
+    print(
+        f"{'model':<12}{'phase':<9}{'batch':>6}{'ours tok/s':>12}{'HF tok/s':>10}"
+        f"{'ours/HF':>9}{'limit tok/s':>13}{'of limit':>10}"
+    )
     for r in rows:
-        print(f"{r.model:<12}{r.phase:<9}{r.batch:>6}{r.ours_tok_s:>12.1f}{r.hf_tok_s:>10.1f}"
-              f"{r.ratio:>9.2f}{r.limit_tok_s:>13.1f}{r.fraction:>10.1%}")
+        print(
+            f"{r.model:<12}{r.phase:<9}{r.batch:>6}{r.ours_tok_s:>12.1f}{r.hf_tok_s:>10.1f}"
+            f"{r.ratio:>9.2f}{r.limit_tok_s:>13.1f}{r.fraction:>10.1%}"
+        )
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
 

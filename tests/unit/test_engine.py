@@ -22,12 +22,16 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def parts():
-    return build_components(EngineConfig(model="tiny", num_kv_blocks=64, max_num_seqs=8, max_model_len=128))
+    return build_components(
+        EngineConfig(model="tiny", num_kv_blocks=64, max_num_seqs=8, max_model_len=128)
+    )
 
 
 def new_engine(parts, **limits) -> Engine:
     cfg = EngineConfig(model="tiny", num_kv_blocks=64, **limits)
-    return Engine(parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len)
+    return Engine(
+        parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
+    )
 
 
 def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -73,8 +77,13 @@ def test_chunked_prefill_and_preemption_keep_outputs(parts):
     outs = run(chunked, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
     assert [outs[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
     cfg = EngineConfig(model="tiny", num_kv_blocks=8)
-    small = Engine(parts.model, KVPool(parts.layout, 8), parts.tokenizer,
-                   scheduler_limits(cfg), parts.max_model_len)
+    small = Engine(
+        parts.model,
+        KVPool(parts.layout, 8),
+        parts.tokenizer,
+        scheduler_limits(cfg),
+        parts.max_model_len,
+    )
     outs = run(small, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
     assert [outs[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
     assert small.scheduler.allocator.num_used == 0
@@ -137,7 +146,9 @@ def test_seeded_sampling_is_independent_of_batch(parts):
     engine = new_engine(parts)
     batched = run(engine, {"x": (PROMPTS[0], p), "y": (PROMPTS[1], GREEDY), "z": (PROMPTS[2], p)})
     assert batched["x"] == alone
-    other = solo(parts, PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True))
+    other = solo(
+        parts, PROMPTS[0], SamplingParams(max_tokens=16, temperature=0.9, seed=8, ignore_eos=True)
+    )
     assert other != alone
 
 
@@ -150,12 +161,16 @@ def test_stops_on_token_ids_and_max_tokens(parts):
     assert out == ref[: ref.index(stop_at) + 1]
     p = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at], min_tokens=10)
     out = run(engine, {"x": (PROMPTS[0], p)})["x"]
-    assert len(out) > ref.index(stop_at) + 1 and out[: ref.index(stop_at)] == ref[: ref.index(stop_at)]
+    assert (
+        len(out) > ref.index(stop_at) + 1 and out[: ref.index(stop_at)] == ref[: ref.index(stop_at)]
+    )
 
 
 def test_stop_string_truncates_text():
     llm = LLM("tiny", num_kv_blocks=64, max_model_len=128)
-    full = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+    full = llm.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False
+    )[0]
     needle = full.text[4:6]
     out = llm.generate(
         [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, stop=[needle]), use_tqdm=False
@@ -200,7 +215,10 @@ def test_abort_frees_blocks(parts):
 
 def test_length_capped_by_max_model_len():
     llm = LLM("tiny", num_kv_blocks=64, max_model_len=20)
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert out.finish_reason == "length" and len(PROMPTS[0]) + len(out.token_ids) == 20
     assert torch.get_num_threads() >= 1

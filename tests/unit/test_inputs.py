@@ -11,27 +11,33 @@ def b(text: str) -> np.ndarray:
 
 
 def test_vllm_style_request():
-    req = parse_generate({
-        "text_input": b("hi"),
-        "stream": np.array([True]),
-        "sampling_parameters": b(json.dumps({"temperature": 0, "max_tokens": 7, "stop": ["x"]})),
-    })
+    req = parse_generate(
+        {
+            "text_input": b("hi"),
+            "stream": np.array([True]),
+            "sampling_parameters": b(
+                json.dumps({"temperature": 0, "max_tokens": 7, "stop": ["x"]})
+            ),
+        }
+    )
     assert req.prompt == "hi" and req.stream and not req.prepend_prompt
     assert req.params.max_tokens == 7 and req.params.temperature == 0.0 and req.params.stop == ["x"]
 
 
 def test_tensorrt_llm_style_request():
-    req = parse_generate({
-        "text_input": np.array([[b"hi"]], dtype=object),
-        "max_tokens": np.array([[5]], dtype=np.int32),
-        "min_length": np.array([[2]], dtype=np.int32),
-        "random_seed": np.array([[9]], dtype=np.uint64),
-        "top_k": np.array([[3]], dtype=np.int32),
-        "temperature": np.array([[0.5]], dtype=np.float32),
-        "stop_words": np.array([[b"end", b""]], dtype=object),
-        "beam_width": np.array([[1]], dtype=np.int32),
-        "exclude_input_in_output": np.array([[True]]),
-    })
+    req = parse_generate(
+        {
+            "text_input": np.array([[b"hi"]], dtype=object),
+            "max_tokens": np.array([[5]], dtype=np.int32),
+            "min_length": np.array([[2]], dtype=np.int32),
+            "random_seed": np.array([[9]], dtype=np.uint64),
+            "top_k": np.array([[3]], dtype=np.int32),
+            "temperature": np.array([[0.5]], dtype=np.float32),
+            "stop_words": np.array([[b"end", b""]], dtype=object),
+            "beam_width": np.array([[1]], dtype=np.int32),
+            "exclude_input_in_output": np.array([[True]]),
+        }
+    )
     p = req.params
     assert (p.max_tokens, p.min_tokens, p.seed, p.top_k, p.stop) == (5, 2, 9, 3, ["end"])
     assert not req.prepend_prompt

@@ -35,7 +35,9 @@ class ListSink:
 def make_loop() -> EngineLoop:
     cfg = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128)
     parts = build_components(cfg)
-    engine = Engine(parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len)
+    engine = Engine(
+        parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
+    )
     return EngineLoop(engine, cancel_poll_s=0.0)
 
 
@@ -62,7 +64,9 @@ def test_cancelled_request_is_dropped_and_freed():
     loop = make_loop()
     loop.start()
     sink = ListSink(cancel_after=3)
-    loop.add_request("c", [256, 1, 2], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), sink)
+    loop.add_request(
+        "c", [256, 1, 2], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), sink
+    )
     assert sink.done.wait(10)
     loop.stop()
     assert sink.outputs[-1].finish_reason == "cancelled"

@@ -9,8 +9,9 @@ def _req(rid: str, n: int) -> Request:
 
 
 def _sched(blocks: int, budget: int = 64, chunked: bool = False) -> Scheduler:
-    limits = SchedulerLimits(block_size=4, max_num_seqs=8, max_num_batched_tokens=budget,
-                             chunked_prefill=chunked)
+    limits = SchedulerLimits(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, chunked_prefill=chunked
+    )
     return Scheduler(BlockAllocator(blocks), limits)
 
 

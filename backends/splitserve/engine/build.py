@@ -36,7 +36,9 @@ def build_components(cfg: EngineConfig, progress: bool = False) -> Components:
         torch.set_num_threads(cfg.num_threads)
     model = load_model(cfg.model, getattr(torch, cfg.dtype), cfg.device, progress=progress)
     mcfg = model.cfg
-    max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    max_model_len = min(
+        cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+    )
     if cfg.max_model_len and cfg.max_model_len > mcfg.max_position_embeddings:
         raise ValueError(
             f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings "

@@ -29,7 +29,7 @@ class OutputState:
     """
 
     def __init__(
-                self,
+        self,
         req: Request,
         tokenizer: Tokenizer,
         eos_ids: tuple[int, ...],
@@ -91,7 +91,11 @@ class OutputState:
     def take(self) -> RequestOutput:
         """The ids and text not yet reported, as one output."""
         req = self.req
-        end = len(self.text) if req.finished else max(self._emitted_text, len(self.text) - self._holdback)
+        end = (
+            len(self.text)
+            if req.finished
+            else max(self._emitted_text, len(self.text) - self._holdback)
+        )
         out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=req.output_ids[self._emitted_ids :],

@@ -25,7 +25,9 @@ class ModelRunner:
 
     def _slots(self, req: Request, start: int, end: int) -> tuple[list[int], list[int]]:
         bs = self.block_size
-        return [req.block_ids[p // bs] for p in range(start, end)], [p % bs for p in range(start, end)]
+        return [req.block_ids[p // bs] for p in range(start, end)], [
+            p % bs for p in range(start, end)
+        ]
 
     def decode(self, reqs: Sequence[Request]) -> torch.Tensor:
         """Logits ``[B, vocab]`` for the token after each request's last one."""

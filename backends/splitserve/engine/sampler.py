@@ -39,7 +39,9 @@ def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.all_ids)), dtype=torch.long)
         vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
     if req.output_ids and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(torch.tensor(req.output_ids), minlength=logits.shape[0]).float()
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
@@ -71,7 +73,9 @@ def _sample_row(logits: torch.Tensor, req: Request) -> int:
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request], suppress: Sequence[list[int]]) -> list[int]:
+def sample(
+    logits: torch.Tensor, reqs: Sequence[Request], suppress: Sequence[list[int]]
+) -> list[int]:
     """One token per row of float32 ``logits`` ``[B, vocab]``.
 
     ``suppress[i]`` lists token ids request ``i`` may not produce yet (EOS before min_tokens).

@@ -16,6 +16,7 @@ from typing import Protocol
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator
 
+
 class KVSource(Protocol):
     """Where a handed-over request's KV lives until it is copied into this pool."""
 

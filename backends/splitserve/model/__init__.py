@@ -33,7 +33,8 @@ def load_model(
     model_dir = Path(str(model))
     if not model_dir.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is not a local directory (no hub access: pass a checkpoint path or 'tiny')"
+            f"model {model!r} is not a local directory "
+            "(no hub access: pass a checkpoint path or 'tiny')"
         )
     net = LlamaForCausalLM(ModelConfig.from_dir(model_dir), dtype, device, max_positions)
     load_weights(net, model_dir, progress)

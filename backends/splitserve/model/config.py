@@ -100,7 +100,10 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    kwargs: dict[str, Any] = {"theta": float(params.get("rope_theta", 10000.0)), "rope_type": rope_type}
+    kwargs: dict[str, Any] = {
+        "theta": float(params.get("rope_theta", 10000.0)),
+        "rope_type": rope_type,
+    }
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key in params:
             kwargs[key] = float(params[key])

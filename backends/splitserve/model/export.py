@@ -9,14 +9,21 @@ from splitserve.model.llama import LlamaForCausalLM
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     cfg = model.cfg
-    out = {"model.embed_tokens.weight": model.embed_tokens.data, "model.norm.weight": model.norm.data}
+    out = {
+        "model.embed_tokens.weight": model.embed_tokens.data,
+        "model.norm.weight": model.norm.data,
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.data
     inter = cfg.intermediate_size
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, kv = layer.q_size, layer.kv_size
-        parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        parts = {
+            "q_proj": slice(0, q),
+            "k_proj": slice(q, q + kv),
+            "v_proj": slice(q + kv, q + 2 * kv),
+        }
         for name, rows in parts.items():
             out[f"{p}self_attn.{name}.weight"] = layer.qkv_proj.data[rows]
             if layer.qkv_bias is not None:

@@ -40,7 +40,9 @@ class DecoderLayer(nn.Module):
         )
         self.o_proj = _param(cfg.hidden_size, q, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = _param(
+            2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device
+        )
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
         self.scale = cfg.head_dim**-0.5
 

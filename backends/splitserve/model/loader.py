@@ -53,7 +53,11 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice]:
     index, rest = int(match.group(1)), match.group(2)
     layer = model.layers[index]
     q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
-    qkv_rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+    qkv_rows = {
+        "q_proj": slice(0, q),
+        "k_proj": slice(q, q + kv),
+        "v_proj": slice(q + kv, q + 2 * kv),
+    }
     module, _, kind = rest.rpartition(".")
     short = module.split(".")[-1]
     if short in qkv_rows:
@@ -76,9 +80,15 @@ def _expected(model: LlamaForCausalLM) -> set[str]:
     if not model.cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     per_layer = [
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
     ]
     if model.cfg.attention_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
@@ -109,7 +119,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, progress: bool = Fals
         param, rows = _target(model, name)
         dst = param.data[rows]
         if dst.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}"
+            )
         dst.copy_(tensor)
         seen.add(name)
         bar.update(1)

@@ -71,7 +71,9 @@ def _text(name: str, value: Any) -> str:
     try:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"input '{name}' is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+        raise InputError(
+            f"input '{name}' is not valid UTF-8: {exc.reason} at byte {exc.start}"
+        ) from None
 
 
 def _strings(name: str, arr: np.ndarray) -> list[str]:
@@ -93,16 +95,22 @@ def _sampling_json(raw: Any) -> dict[str, Any]:
 
 def _check_trivial(key: str, value: Any, source: str) -> None:
     if value != TRIVIAL_VALUES[key]:
-        raise InputError(f"{source} '{key}'={value!r} is not supported (only {TRIVIAL_VALUES[key]!r})")
+        raise InputError(
+            f"{source} '{key}'={value!r} is not supported (only {TRIVIAL_VALUES[key]!r})"
+        )
 
 
-def parse_generate(inputs: Mapping[str, np.ndarray], default_max_tokens: int = 16) -> GenerateRequest:
+def parse_generate(
+    inputs: Mapping[str, np.ndarray], default_max_tokens: int = 16
+) -> GenerateRequest:
     if "text_input" not in inputs:
         raise InputError("input 'text_input' is required")
     prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
     if "sampling_parameters" in inputs:
-        for key, value in _sampling_json(_scalar("sampling_parameters", inputs["sampling_parameters"])).items():
+        for key, value in _sampling_json(
+            _scalar("sampling_parameters", inputs["sampling_parameters"])
+        ).items():
             if key in TRIVIAL_VALUES:
                 _check_trivial(key, value, "sampling_parameters")
             elif key in SAMPLING_KEYS:

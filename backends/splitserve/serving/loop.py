@@ -59,7 +59,9 @@ class EngineLoop:
     def num_active(self) -> int:
         return len(self._sinks)
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink
+    ) -> None:
         def command(engine: Engine) -> None:
             engine.add_request(rid, prompt_ids, params)
             self._sinks[rid] = sink
@@ -129,7 +131,7 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - every request must still end
+            except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
                 continue

@@ -1,1 +1,1 @@
-"""Pure-torch reference implementations; every GPU kernel has one of these with the same signature."""
+"""Pure-torch reference implementations; each GPU kernel has one with the same signature."""

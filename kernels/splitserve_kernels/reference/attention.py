@@ -66,11 +66,15 @@ def varlen_prefill_attention(
             vi = vi.repeat_interleave(heads // kv_heads, dim=0)
         n_q, n_k = q1 - q0, k1 - k0
         if sliding_window is None and n_q == n_k:
-            oi = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            oi = torch.nn.functional.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale
+            )
         else:
             q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
             mask = _window_mask(q_pos, torch.arange(n_k, device=q.device), sliding_window)
-            oi = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            oi = torch.nn.functional.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale
+            )
         out[q0:q1] = oi.transpose(0, 1)
     return out
 

@@ -1,0 +1,78 @@
+"""The KV transport contract: how prefill lends KV blocks and decode pulls them.
+
+One transport instance per model instance. The owner (prefill) allocates its pool with
+``create_pool`` in memory the peers can open, ``register``s it, and turns the blocks of each
+finished prompt into a handle with ``export``. The reader (decode) ``register``s its own pool,
+``fetch``es a handle's blocks into blocks it allocated, then ``release``s the handle so the
+owner frees them. Handles are opaque bytes signed with the key of the server start; every
+method that takes one rejects a bad one with ``InvalidHandle`` before touching any memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.pool import KVPool
+
+
+class KVTransport(ABC):
+    """Moves KV blocks between pools of different processes, by handle."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def create_pool(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> KVPool:
+        """Allocate a pool in memory that readers of this transport can open.
+
+        Only such a pool can be exported from. Its allocator is thread-safe, because leases
+        are freed on the transport's release thread.
+        """
+
+    @abstractmethod
+    def register(self, pool: KVPool) -> None:
+        """Make ``pool`` this instance's local pool: the source of ``export`` and the
+        destination of ``fetch``. A pool from ``create_pool`` also becomes openable by
+        peers, and the instance starts serving release messages for it."""
+
+    @abstractmethod
+    def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
+        """Lease ``block_ids`` (holding ``num_tokens`` tokens) of the registered pool and
+        return their handle.
+
+        The caller hands the blocks over: they return to the pool's allocator exactly once,
+        when the reader releases the handle or the lease expires.
+        """
+
+    @abstractmethod
+    def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
+        """Copy the handle's blocks, in order, into ``dst_block_ids`` of the registered pool.
+
+        Raises ``InvalidHandle`` (nothing read) for a forged, altered, foreign, expired,
+        nearly expired or already released handle, and ``ValueError`` (nothing read) when the
+        handle's layout differs from the local pool's or the destination ids do not fit.
+        Returns once the copy is complete; the caller then calls ``release``.
+        """
+
+    @abstractmethod
+    def release(self, handle: bytes) -> None:
+        """Tell the owner it may free the handle's blocks. Idempotent; never blocks on the
+        owner. Also the way to drop a handle that will not be fetched (a cancelled request)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: leases outstanding, released, expired, rejected messages."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving releases and unmap, unlink and close everything this instance made.
+        Idempotent. Blocks of a closed owner's pool must not be read any more."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
