@@ -6,24 +6,12 @@ engine must match ``hf_reference.hf_greedy`` token for token. Each returns the c
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from splitserve.model.random_checkpoint import write_random_checkpoint
 
-
-def _hide_tests_triton_folder() -> None:
-    """pytest puts tests/ on sys.path (this conftest), where tests/triton/ would pass for the
-    ``triton`` package; torch then half-imports it and fails. Without a real triton, hide it."""
-    spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.origin is None:
-        sys.modules["triton"] = None  # type: ignore[assignment]
-
-
-_hide_tests_triton_folder()
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

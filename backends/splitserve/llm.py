@@ -29,7 +29,10 @@ class LLM:
         parts = build_components(self.config, progress=True)
         self.tokenizer = parts.tokenizer
         self.engine = Engine(
-            parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(self.config),
+            parts.model,
+            parts.new_pool(),
+            parts.tokenizer,
+            scheduler_limits(self.config),
             parts.max_model_len,
         )
         self._ids = itertools.count()

@@ -20,8 +20,8 @@ class ListSink:
         if out.finished:
             self.done.set()
 
-    def fail(self, message: str) -> None:
-        self.error = message
+    def fail(self, message: str, kind: str) -> None:
+        self.error = f"{kind}: {message}"
         self.done.set()
 
     def cancelled(self) -> bool:

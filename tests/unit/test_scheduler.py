@@ -104,3 +104,21 @@ def test_prefilled_requests_wait_for_blocks_then_load():
     assert plan.decodes == [b] and loaded[-1] == [0, 1, 2]
     s.remove(b)
     assert s.allocator.num_used == 0
+
+
+class BrokenSource:
+    def load(self, dst: list[int]) -> None:
+        raise RuntimeError("lease expired")
+
+    def discard(self) -> None:
+        raise AssertionError("a failed load is not a discard")
+
+
+def test_failed_handoff_falls_back_to_recompute():
+    s = _sched(8)
+    a = _req("a", 8)
+    a.num_computed, a.output_ids = 8, [9]
+    s.add_prefilled(a, BrokenSource())
+    plan = s.schedule()
+    assert plan.decodes == []
+    assert plan.prefills == [(a, 9)] and a.num_computed == 0

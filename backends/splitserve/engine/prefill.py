@@ -39,12 +39,12 @@ class PrefillEngine:
         Raises OutOfBlocks, with nothing allocated, when the pool cannot hold them all.
         """
         for req in reqs:
-            validate_prompt(req.prompt_ids, self.vocab_size, self.max_model_len)
-        need = sum(-(-len(r.prompt_ids) // self.block_size) for r in reqs)
+            self.check(req)
+        need = sum(self.blocks_for(r) for r in reqs)
         if not self.allocator.can_allocate(need):
             raise OutOfBlocks(f"prefill needs {need} blocks, {self.allocator.num_free} free")
         for req in reqs:
-            req.block_ids = self.allocator.allocate(-(-len(req.prompt_ids) // self.block_size))
+            req.block_ids = self.allocator.allocate(self.blocks_for(req))
         try:
             logits = self.runner.prefill([(r, len(r.prompt_ids)) for r in reqs])
         except BaseException:
@@ -53,6 +53,13 @@ class PrefillEngine:
             raise
         suppress = [suppressed_tokens(r.params, 0, self.eos_ids, self.vocab_size) for r in reqs]
         return sample(logits, reqs, suppress)
+
+    def check(self, req: Request) -> None:
+        """Raise ValueError naming the problem if ``req`` cannot be prefilled here."""
+        validate_prompt(req.prompt_ids, self.vocab_size, self.max_model_len)
+
+    def blocks_for(self, req: Request) -> int:
+        return -(-len(req.prompt_ids) // self.block_size)
 
     def free(self, req: Request) -> None:
         if req.block_ids:

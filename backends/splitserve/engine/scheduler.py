@@ -4,17 +4,22 @@ Running requests decode one token per step. Waiting requests are prefilled (whol
 when ``chunked_prefill`` is on) within a token budget. Requests whose KV was computed elsewhere
 wait in ``arrived`` until blocks are free, then their KV is loaded and they join the batch.
 When a running request needs a block and none is free, the newest running request is preempted:
-its blocks are freed and it is recomputed later from its tokens.
+its blocks are freed and it is recomputed later from its tokens. A handed-over request whose KV
+cannot be loaded (its lease expired, its owner is gone) is recomputed the same way.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator
+
+
+log = logging.getLogger(__name__)
 
 
 class KVSource(Protocol):
@@ -128,7 +133,16 @@ class Scheduler:
             if not self._grow(req, req.num_tokens):
                 break
             self.arrived.popleft()
-            source.load(req.block_ids)
+            try:
+                source.load(req.block_ids)
+            except Exception:  # noqa: BLE001 - any failed handoff falls back to recomputing
+                log.warning(
+                    "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
+                )
+                self.free(req)
+                req.num_computed = 0
+                self.waiting.appendleft(req)
+                continue
             req.status = Status.RUNNING
             self.running.append(req)
             out.decodes.append(req)

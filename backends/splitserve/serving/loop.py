@@ -27,8 +27,9 @@ class Sink(Protocol):
     def send(self, out: RequestOutput) -> None:
         """Deliver an output; the one with ``finished`` set is the last."""
 
-    def fail(self, message: str) -> None:
-        """End the request with an error."""
+    def fail(self, message: str, kind: str) -> None:
+        """End the request with an error; ``kind`` is ``invalid``, ``internal`` or
+        ``unavailable``."""
 
     def cancelled(self) -> bool:
         """Whether the client gave up on the request."""
@@ -38,8 +39,15 @@ Command = Callable[[Engine], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, cancel_poll_s: float = 0.02, name: str = "engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        cancel_poll_s: float = 0.02,
+        name: str = "engine",
+        after_step: Callable[[EngineLoop], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.after_step = after_step
         self.cancel_poll_s = cancel_poll_s
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -95,7 +103,7 @@ class EngineLoop:
             try:
                 command(engine)
             except ValueError as exc:
-                sink.fail(str(exc))
+                sink.fail(str(exc), "invalid")
 
         self._inbox.put(guarded)
 
@@ -127,13 +135,15 @@ class EngineLoop:
             if time.monotonic() - last_poll >= self.cancel_poll_s:
                 self._poll_cancelled()
                 last_poll = time.monotonic()
+            if self.after_step is not None:
+                self.after_step(self)
             if not self.engine.has_unfinished():
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as exc:
                 log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {exc}")
+                self._fail_all(f"engine step failed: {exc}", "internal")
                 continue
             self.num_steps += 1
             for out in outputs:
@@ -143,10 +153,10 @@ class EngineLoop:
                 if out.finished:
                     del self._sinks[out.request_id]
                 sink.send(out)
-        self._fail_all("server is shutting down")
+        self._fail_all("server is shutting down", "unavailable")
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, kind: str) -> None:
         for rid, sink in list(self._sinks.items()):
             self.engine.abort(rid)
-            sink.fail(message)
+            sink.fail(message, kind)
         self._sinks.clear()

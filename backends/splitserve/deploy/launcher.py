@@ -1,0 +1,382 @@
+"""Find, prepare and run one tritonserver process.
+
+Two installs are supported: the NGC container (`/opt/tritonserver`, stub already in place) and the
+`nvidia-pytriton` wheel, whose Python backend needs the stub of the running Python copied next to
+`libtriton_python.so`, this venv's `python3` on `PATH` and this Python's `libpython3.X.so` on
+`LD_LIBRARY_PATH`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from splitserve.transport.key import generate_key, key_environ
+
+LOGGER = logging.getLogger(__name__)
+
+NGC_ROOT = Path("/opt/tritonserver")
+PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+STUB_NAME = "triton_python_backend_stub"
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+LOG_TAIL_BYTES = 8192
+PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver lives; `stub` is None when the backend directory is ready as is."""
+
+    binary: Path
+    backend_dir: Path
+    stub: Path | None
+    lib_dirs: tuple[Path, ...] = ()
+
+
+def find_tritonserver() -> TritonInstall:
+    """Prefer the NGC container's server, else the one shipped in the nvidia-pytriton wheel."""
+    ngc_binary = NGC_ROOT / "bin" / "tritonserver"
+    if ngc_binary.is_file():
+        return TritonInstall(binary=ngc_binary, backend_dir=NGC_ROOT / "backends", stub=None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"no tritonserver: neither {ngc_binary} (NGC container) nor the nvidia-pytriton wheel "
+            "(pip install 'splitserve[serve]') is installed"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    dist = package / "tritonserver"
+    binary = dist / "bin" / "tritonserver"
+    if not binary.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton is installed but {binary} is missing")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / STUB_NAME
+    if not stub.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    libs = package.parent / "nvidia_pytriton.libs"
+    return TritonInstall(
+        binary=binary,
+        backend_dir=dist / "backends",
+        stub=stub,
+        lib_dirs=(libs,) if libs.is_dir() else (),
+    )
+
+
+def prepare_backend_dir(install: TritonInstall, workdir: Path) -> Path:
+    """Return the directory for `--backend-directory`, copying the python backend if needed."""
+    if install.stub is None:
+        return install.backend_dir
+    backends = workdir / "backends"
+    python_dir = backends / "python"
+    python_dir.mkdir(parents=True, exist_ok=True)
+    sources = [install.backend_dir / "python" / name for name in PYTHON_BACKEND_FILES]
+    for src in [*sources, install.stub]:
+        shutil.copy2(src, python_dir / src.name)
+    return backends
+
+
+def libpython_dir() -> Path:
+    """Directory holding this Python's shared libpython, which the stub links against."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    soname = sysconfig.get_config_var("INSTSONAME")
+    if libdir and soname and (Path(libdir) / soname).is_file():
+        return Path(libdir)
+    raise FileNotFoundError(
+        f"no shared libpython for {sys.executable} (LIBDIR={libdir}, INSTSONAME={soname}); "
+        "the Python backend stub needs a Python built with --enable-shared"
+    )
+
+
+def server_env(install: TritonInstall, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: this venv's python3 first on PATH, libpython findable."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), env.get("PATH", os.defpath)])
+    lib_dirs = [str(d) for d in install.lib_dirs]
+    if install.stub is not None:
+        lib_dirs.insert(0, str(libpython_dir()))
+    if env.get("LD_LIBRARY_PATH"):
+        lib_dirs.append(env["LD_LIBRARY_PATH"])
+    if lib_dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+    return env
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that were free on 127.0.0.1 a moment ago."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the server when the thread that started it exits (Linux)."""
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stub_shm_regions(pids: list[int]) -> list[Path]:
+    """The /dev/shm regions named on the command lines of Python backend stubs among `pids`."""
+    regions = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        regions += [Path("/dev/shm") / arg for arg in argv if arg.startswith(SHM_REGION_PREFIX)]
+    return regions
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the non-zombie processes in process group `pgid` (Linux /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+class TritonServer:
+    """One tritonserver process in its own session, so that stop() also ends its stubs.
+
+    Each start hands the server a fresh KV-handle key (``env`` may override it), so handles of
+    one server start are useless to any other.
+
+    The server gets SIGTERM when the thread that called start() exits. Without `workdir`, a
+    temporary one holds the backend copy and the log; it is removed after a clean exit only.
+    """
+
+    def __init__(
+        self,
+        model_repository: Path | str,
+        *,
+        http_port: int,
+        grpc_port: int,
+        metrics_port: int,
+        backend_config: Mapping[str, Mapping[str, object]] | None = None,
+        log_verbose: int = 0,
+        extra_args: Sequence[str] = (),
+        exit_timeout_s: int = 5,
+        log_file: Path | None = None,
+        workdir: Path | None = None,
+        host: str = "127.0.0.1",
+        install: TritonInstall | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        self.http_port = http_port
+        self.grpc_port = grpc_port
+        self.metrics_port = metrics_port
+        self.backend_config = dict(backend_config or {})
+        self.log_verbose = log_verbose
+        self.extra_args = tuple(extra_args)
+        self.exit_timeout_s = exit_timeout_s
+        self.host = host
+        self.install = install or find_tritonserver()
+        self.env = dict(env or {})
+        self._workdir = workdir
+        self._owns_workdir = workdir is None
+        self._given_log_file = log_file
+        self._log_file: Path | None = None
+        self._log: IO[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.http_address}"
+
+    @property
+    def http_address(self) -> str:
+        """host:port, the form tritonclient.http expects."""
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """host:port, the form tritonclient.grpc expects."""
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_file
+
+    def command(self, backend_dir: Path) -> list[str]:
+        args = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        for backend, settings in self.backend_config.items():
+            args += [f"--backend-config={backend},{key}={value}" for key, value in settings.items()]
+        return [*args, *self.extra_args]
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        if self._log_file is None or not self._log_file.is_file():
+            return ""
+        with self._log_file.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - max_bytes))
+            return log.read().decode("utf-8", errors="replace")
+
+    def start(self, timeout_s: float = 120.0) -> TritonServer:
+        """Launch tritonserver and block until /v2/health/ready answers 200."""
+        if self._proc is not None:
+            raise RuntimeError("tritonserver already started")
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="splitserve-triton-"))
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        self._log_file = self._given_log_file or self._workdir / "tritonserver.log"
+        backend_dir = prepare_backend_dir(self.install, self._workdir)
+        cmd = self.command(backend_dir)
+        LOGGER.info("starting %s", " ".join(cmd))
+        self._log = self._log_file.open("wb")
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            cmd,
+            env={**server_env(self.install), **key_environ(generate_key()), **self.env},
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        try:
+            self._wait_ready(started + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        LOGGER.info("tritonserver ready in %.1f s (pid %d)", time.monotonic() - started, self.pid)
+        return self
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self._proc is not None
+        url = f"{self.http_url}/v2/health/ready"
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"tritonserver exited with code {code} before it was ready; "
+                    f"log {self._log_file}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, http.client.HTTPException):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tritonserver not ready at {url}; log {self._log_file}:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the server, SIGKILL it after `timeout_s`, then kill what is left of its group."""
+        proc = self._proc
+        if proc is None:
+            return
+        wait_s = self.exit_timeout_s + 5.0 if timeout_s is None else timeout_s
+        regions = stub_shm_regions(live_group_members(proc.pid))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                LOGGER.warning("tritonserver pid %d ignored SIGTERM for %.1f s", proc.pid, wait_s)
+        self._kill_group(proc.pid)
+        proc.wait()
+        for region in regions:
+            if region.exists():
+                LOGGER.warning("removing leaked shared memory %s", region)
+                region.unlink(missing_ok=True)
+        LOGGER.info("tritonserver pid %d exited with code %d", proc.pid, proc.returncode)
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._owns_workdir and self._workdir is not None:
+            if proc.returncode == 0:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+            else:
+                LOGGER.warning("keeping %s for inspection", self._workdir)
+            self._workdir = None
+
+    @staticmethod
+    def _kill_group(pgid: int) -> None:
+        leftovers = live_group_members(pgid)
+        if not leftovers:
+            return
+        LOGGER.warning("killing leftover processes %s of tritonserver group %d", leftovers, pgid)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5.0
+        while live_group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> TritonServer:
+        if self._proc is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,103 @@
+"""Per-role serving configuration, built from the ``parameters`` of a Triton ``config.pbtxt``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.config import EngineConfig
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str = "shm"
+    prefill_model: str = "prefill"
+    """Name of the model ``llm`` calls for prompts (disaggregated decode role only)."""
+    lease_ttl_s: float = 30.0
+    """How long prefill keeps a handed-over request's blocks if nobody pulls them."""
+    cpu_cores: str = ""
+    """Core sets per instance, ``;``-separated (``"0;1"``: instance 0 on core 0, instance 1 on
+    core 1); each set is a list/range like ``0,2-3``. Empty leaves placement to the OS."""
+    default_max_tokens: int = 16
+    prefill_retry_s: float = 60.0
+    """How long ``llm`` keeps retrying a prompt while the prefill pool is full."""
+    cancel_poll_s: float = 0.02
+    metrics_interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("lease_ttl_s", "default_max_tokens", "prefill_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        parse_core_sets(self.cpu_cores)
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> ServingConfig:
+        """Every key must be a field of this class or of EngineConfig; unknown keys are errors."""
+        own = {f.name: f for f in dataclasses.fields(cls) if f.name != "engine"}
+        eng = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        own_kwargs: dict[str, Any] = {}
+        eng_kwargs: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key in own:
+                own_kwargs[key] = _convert(key, raw, str(own[key].type))
+            elif key in eng:
+                eng_kwargs[key] = _convert(key, raw, str(eng[key].type))
+            else:
+                raise ValueError(f"unknown parameter {key!r} in config.pbtxt")
+        return cls(engine=EngineConfig(**eng_kwargs), **own_kwargs)
+
+    def cores_for(self, instance_index: int) -> set[int] | None:
+        sets = parse_core_sets(self.cpu_cores)
+        return sets[instance_index % len(sets)] if sets else None
+
+
+def _convert(key: str, raw: str, type_name: str) -> Any:
+    text = raw.strip()
+    if "None" in type_name and text.lower() in ("", "none"):
+        return None
+    try:
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name.startswith("float"):
+            return float(text)
+        if type_name.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: cannot read {raw!r} as {type_name}") from None
+    return text
+
+
+def parse_core_sets(spec: str) -> list[set[int]]:
+    sets = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        cores: set[int] = set()
+        for item in part.split(","):
+            lo, _, hi = item.strip().partition("-")
+            try:
+                cores.update(range(int(lo), int(hi or lo) + 1))
+            except ValueError:
+                raise ValueError(f"cpu_cores: cannot read {part!r}") from None
+        sets.append(cores)
+    return sets
+
+
+def pin_to_cores(cores: set[int] | None, num_threads: int | None) -> None:
+    """Restrict this process to ``cores`` and size torch's thread pool to match."""
+    import torch
+
+    if cores:
+        os.sched_setaffinity(0, cores)
+    threads = num_threads or (len(cores) if cores else None)
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,49 @@
+"""The contract between ``llm`` (decode) and ``prefill``: tensor names, params, KV sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.transport.base import KVTransport
+
+# prefill inputs
+INPUT_IDS = "input_ids"
+PARAMS = "sampling_parameters"
+SEED = "seed"
+REQUEST_ID = "request_id"
+# prefill outputs
+FIRST_TOKEN = "first_token"
+KV_HANDLE = "kv_handle"
+
+POOL_FULL = "prefill KV pool is full"
+"""Prefix of the error prefill returns when a prompt does not fit now; ``llm`` retries."""
+
+
+def params_to_json(params: SamplingParams) -> bytes:
+    return json.dumps(dataclasses.asdict(params)).encode()
+
+
+def params_from_json(data: bytes) -> SamplingParams:
+    obj = json.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError(f"{PARAMS} must be a JSON object")
+    return SamplingParams(**obj)
+
+
+class TransportSource:
+    """A handed-over request's KV behind a handle: fetch it, then release the owner's lease."""
+
+    def __init__(self, transport: KVTransport, handle: bytes) -> None:
+        self.transport = transport
+        self.handle = handle
+
+    def load(self, dst_block_ids: list[int]) -> None:
+        try:
+            self.transport.fetch(self.handle, dst_block_ids)
+        finally:
+            self.transport.release(self.handle)
+
+    def discard(self) -> None:
+        self.transport.release(self.handle)

@@ -1,0 +1,98 @@
+"""``llm``: the public entry and the decode stage of disaggregated serving.
+
+Per request: validate and tokenize, call ``prefill`` once through BLS, stream the first token,
+hand the request (with its KV handle) to the engine loop, which pulls the blocks when it has
+room and streams every further token straight to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from splitserve.engine.request import random_seed
+from splitserve.kv.pool import KVPool
+from splitserve.serving import handoff
+from splitserve.serving.frontend import Prepared
+from splitserve.transport import get_transport
+from splitserve.transport.key import load_key
+from splitserve.triton.generate import GenerateModelBase
+from splitserve.triton.tensors import FINAL, error_response
+
+log = logging.getLogger(__name__)
+
+
+class PrefillError(RuntimeError):
+    def __init__(self, message: str, code_name: str) -> None:
+        super().__init__(message)
+        self.code_name = code_name
+
+
+class DecodeModel(GenerateModelBase):
+    role = "decode"
+
+    def make_pool(self) -> KVPool:
+        self.transport = get_transport(self.cfg.transport, key=load_key())
+        pool = self.parts.new_pool()
+        self.transport.register(pool)
+        return pool
+
+    async def execute(self, requests: list[Any]) -> None:
+        await asyncio.gather(*(self._handle(r) for r in requests))
+
+    async def _handle(self, request: Any) -> None:
+        taken = self.intake(request)
+        if taken is None:
+            return
+        prep, sink, rid = taken
+        seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
+        try:
+            first, handle = await self._prefill(rid, prep, seed)
+        except PrefillError as exc:
+            code = getattr(pb_utils.TritonError, exc.code_name)
+            sink.sender.send(error_response(str(exc), code), flags=FINAL)
+            return
+        if request.is_cancelled():
+            self.transport.release(handle)
+            sink.sender.send(flags=FINAL)
+            return
+        source = handoff.TransportSource(self.transport, handle)
+        self.loop.add_prefilled(rid, prep.prompt_ids, prep.gen.params, first, seed, source, sink)
+
+    async def _prefill(self, rid: str, prep: Prepared, seed: int) -> tuple[int, bytes]:
+        params = handoff.params_to_json(prep.gen.params)
+        inputs = [
+            pb_utils.Tensor(handoff.INPUT_IDS, np.array([prep.prompt_ids], dtype=np.int64)),
+            pb_utils.Tensor(handoff.PARAMS, np.array([[params]], dtype=np.object_)),
+            pb_utils.Tensor(handoff.SEED, np.array([[seed]], dtype=np.uint64)),
+            pb_utils.Tensor(handoff.REQUEST_ID, np.array([[rid.encode()]], dtype=np.object_)),
+        ]
+        deadline = time.monotonic() + self.cfg.prefill_retry_s
+        delay = 0.005
+        while True:
+            response = await pb_utils.InferenceRequest(
+                model_name=self.cfg.prefill_model,
+                requested_output_names=[handoff.FIRST_TOKEN, handoff.KV_HANDLE],
+                inputs=inputs,
+            ).async_exec()
+            if not response.has_error():
+                break
+            message = response.error().message()
+            if handoff.POOL_FULL not in message:
+                raise PrefillError(f"prefill failed: {message}", "INTERNAL")
+            if time.monotonic() > deadline:
+                raise PrefillError(f"server busy: {message}", "UNAVAILABLE")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+        first = pb_utils.get_output_tensor_by_name(response, handoff.FIRST_TOKEN).as_numpy()
+        handle = pb_utils.get_output_tensor_by_name(response, handoff.KV_HANDLE).as_numpy()
+        return int(first.reshape(-1)[0]), handle.tobytes()
+
+    def finalize(self) -> None:
+        super().finalize()
+        self.transport.close()

@@ -1,0 +1,53 @@
+"""Custom metrics on Triton's metrics port, labelled by model and instance."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from splitserve.kv.allocator import BlockAllocator
+from splitserve.transport.base import KVTransport
+
+GAUGES = {
+    "splitserve_kv_blocks_used": "KV cache blocks in use (running requests and leases)",
+    "splitserve_kv_blocks_free": "KV cache blocks free",
+    "splitserve_leases_outstanding": "KV leases handed out by prefill and not yet released",
+    "splitserve_requests_active": "Requests this instance is generating for",
+}
+
+
+class InstanceMetrics:
+    def __init__(
+        self,
+        args: dict[str, Any],
+        allocator: BlockAllocator,
+        transport: KVTransport | None = None,
+        min_interval_s: float = 0.0,
+    ) -> None:
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        # The families must outlive their metrics: a collected family makes ``set`` raise.
+        self._families = {
+            name: pb_utils.MetricFamily(
+                name=name, description=text, kind=pb_utils.MetricFamily.GAUGE
+            )
+            for name, text in GAUGES.items()
+        }
+        self._gauges = {name: f.Metric(labels=labels) for name, f in self._families.items()}
+        self.allocator = allocator
+        self.transport = transport
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def update(self, active: int = 0, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval_s:
+            return
+        self._last = now
+        self._gauges["splitserve_kv_blocks_used"].set(self.allocator.num_used)
+        self._gauges["splitserve_kv_blocks_free"].set(self.allocator.num_free)
+        self._gauges["splitserve_requests_active"].set(active)
+        if self.transport is not None:
+            outstanding = self.transport.stats().get("outstanding", 0)
+            self._gauges["splitserve_leases_outstanding"].set(outstanding)

@@ -1,0 +1,95 @@
+"""``prefill``: dynamic batches of prompts in one packed pass; returns first tokens and handles."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from splitserve.engine.build import build_components
+from splitserve.engine.prefill import PrefillEngine
+from splitserve.engine.request import Request
+from splitserve.serving import handoff
+from splitserve.transport import get_transport
+from splitserve.transport.key import load_key
+from splitserve.triton.metrics import InstanceMetrics
+from splitserve.triton.setup import setup_instance
+from splitserve.triton.tensors import error_response
+
+log = logging.getLogger(__name__)
+
+
+def _parse(request: Any) -> Request:
+    def get(name: str) -> np.ndarray:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            raise ValueError(f"input '{name}' is required")
+        return tensor.as_numpy().reshape(-1)
+
+    ids = [int(t) for t in get(handoff.INPUT_IDS)]
+    params = handoff.params_from_json(bytes(get(handoff.PARAMS)[0]))
+    rid = bytes(get(handoff.REQUEST_ID)[0]).decode()
+    req = Request(rid, ids, params)
+    req.seed = int(get(handoff.SEED)[0])
+    return req
+
+
+class PrefillModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        cfg = setup_instance(args, "prefill")
+        parts = build_components(cfg.engine)
+        self.transport = get_transport(cfg.transport, key=load_key(), lease_ttl_s=cfg.lease_ttl_s)
+        pool = self.transport.create_pool(parts.layout, parts.num_blocks, cfg.engine.device)
+        self.transport.register(pool)
+        self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
+        self.metrics = InstanceMetrics(args, pool.allocator, self.transport)
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses: list[Any] = [None] * len(requests)
+        batch: list[tuple[int, Request]] = []
+        free = self.engine.allocator.num_free
+        for i, request in enumerate(requests):
+            try:
+                req = _parse(request)
+                self.engine.check(req)
+            except ValueError as exc:
+                responses[i] = error_response(str(exc))
+                continue
+            need = self.engine.blocks_for(req)
+            if need > free:
+                responses[i] = error_response(
+                    f"{handoff.POOL_FULL}: needs {need} blocks, {free} free",
+                    pb_utils.TritonError.UNAVAILABLE,
+                )
+                continue
+            free -= need
+            batch.append((i, req))
+        if batch:
+            self._run(batch, responses)
+        self.metrics.update()
+        return responses
+
+    def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
+        reqs = [r for _, r in batch]
+        try:
+            first = self.engine.prefill(reqs)
+        except Exception as exc:  # noqa: BLE001 - answer every request of the batch
+            log.exception("prefill failed")
+            for i, _ in batch:
+                responses[i] = error_response(
+                    f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
+                )
+            return
+        for (i, req), token in zip(batch, first, strict=True):
+            handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
+            responses[i] = pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(handoff.FIRST_TOKEN, np.array([[token]], dtype=np.int64)),
+                    pb_utils.Tensor(handoff.KV_HANDLE, np.frombuffer(handle, np.uint8)[None, :]),
+                ]
+            )
+
+    def finalize(self) -> None:
+        self.transport.close()

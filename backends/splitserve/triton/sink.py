@@ -1,0 +1,99 @@
+"""Streams engine outputs to a Triton response sender from one sender thread.
+
+Building and sending a response costs the stub CPU time; doing it on a thread of its own lets
+the sends of step n overlap the compute of step n+1 (torch releases the GIL in its kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from splitserve.engine.output import RequestOutput
+from splitserve.serving.inputs import GenerateRequest
+from splitserve.triton.tensors import FINAL, bytes_tensor, error_response
+
+log = logging.getLogger(__name__)
+
+ERROR_CODES = {"invalid": "INVALID_ARG", "internal": "INTERNAL", "unavailable": "UNAVAILABLE"}
+"""Sink error kinds -> ``pb_utils.TritonError`` code names (which exist only after import)."""
+
+
+class SenderThread:
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Any, int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
+        self._thread.start()
+
+    def put(self, sender: Any, response: Any, flags: int) -> None:
+        self._queue.put((sender, response, flags))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sender, response, flags = item
+            try:
+                if response is None:
+                    sender.send(flags=flags)
+                else:
+                    sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - a broken client must not stop the others
+                log.exception("sending a response failed")
+
+
+class TritonSink:
+    """One request's sink: formats outputs per the request's flags and queues the sends."""
+
+    def __init__(self, sender: Any, gen: GenerateRequest, thread: SenderThread) -> None:
+        self.sender = sender
+        self.gen = gen
+        self.thread = thread
+        self._text = gen.prompt if gen.prepend_prompt else ""
+
+    def send(self, out: RequestOutput) -> None:
+        if out.finish_reason == "cancelled":
+            self.thread.put(self.sender, None, FINAL)
+            return
+        if not self.gen.stream:
+            self._text += out.new_text
+            if out.finished:
+                self.thread.put(self.sender, self._response(out, self._text), FINAL)
+            return
+        self.thread.put(
+            self.sender, self._response(out, out.new_text), FINAL if out.finished else 0
+        )
+
+    def _response(self, out: RequestOutput, text: str) -> Any:
+        tensors = [bytes_tensor("text_output", [text])]
+        if out.finished:
+            if self.gen.return_finish_reason:
+                tensors.append(bytes_tensor("finish_reason", [out.finish_reason or ""]))
+            if self.gen.return_num_input_tokens:
+                tensors.append(
+                    pb_utils.Tensor("num_input_tokens", np.array([out.num_prompt_tokens], np.int32))
+                )
+            if self.gen.return_num_output_tokens:
+                tensors.append(
+                    pb_utils.Tensor(
+                        "num_output_tokens", np.array([out.num_output_tokens], np.int32)
+                    )
+                )
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def fail(self, message: str, kind: str) -> None:
+        self.thread.put(
+            self.sender,
+            error_response(message, getattr(pb_utils.TritonError, ERROR_CODES[kind])),
+            FINAL,
+        )
+
+    def cancelled(self) -> bool:
+        return bool(self.sender.is_cancelled())

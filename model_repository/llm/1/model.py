@@ -1,0 +1,5 @@
+"""Triton entry of ``llm`` (disaggregated decode stage); the logic lives in splitserve.triton."""
+
+from splitserve.triton.decode import DecodeModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
