@@ -12,7 +12,6 @@ import pytest
 
 from splitserve.model.random_checkpoint import write_random_checkpoint
 
-
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

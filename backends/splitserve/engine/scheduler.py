@@ -18,7 +18,6 @@ from typing import Protocol
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator
 
-
 log = logging.getLogger(__name__)
 
 
@@ -135,7 +134,7 @@ class Scheduler:
             self.arrived.popleft()
             try:
                 source.load(req.block_ids)
-            except Exception:  # noqa: BLE001 - any failed handoff falls back to recomputing
+            except Exception:
                 log.warning(
                     "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
                 )

@@ -75,7 +75,7 @@ class PrefillModel:
         reqs = [r for _, r in batch]
         try:
             first = self.engine.prefill(reqs)
-        except Exception as exc:  # noqa: BLE001 - answer every request of the batch
+        except Exception as exc:
             log.exception("prefill failed")
             for i, _ in batch:
                 responses[i] = error_response(

@@ -45,7 +45,7 @@ class SenderThread:
                     sender.send(flags=flags)
                 else:
                     sender.send(response, flags=flags)
-            except Exception:  # noqa: BLE001 - a broken client must not stop the others
+            except Exception:
                 log.exception("sending a response failed")
 
 
