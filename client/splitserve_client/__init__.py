@@ -1,0 +1,1 @@
+"""Splitserve command line and clients (tritonclient gRPC/HTTP)."""

@@ -1,0 +1,111 @@
+"""The ``splitserve`` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _engine_params(args: argparse.Namespace) -> dict[str, str]:
+    params = {}
+    for key in ("dtype", "max_model_len", "block_size", "kv_cache_bytes", "max_num_seqs"):
+        value = getattr(args, key)
+        if value is not None:
+            params[key] = str(value)
+    for item in args.param or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
+        params[key] = value
+    return params
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from splitserve.deploy.serve import ServeOptions, serve_forever
+
+    serve_forever(ServeOptions(
+        model=args.model,
+        layout=args.layout,
+        engine=_engine_params(args),
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        colocated_instances=args.colocated_instances,
+        prefill_cores=args.prefill_cores,
+        decode_cores=args.decode_cores,
+        colocated_cores=args.colocated_cores,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        repo_dir=args.repo_dir,
+    ))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from splitserve_client.generate import GenerateArgs, generate
+
+    reason = generate(GenerateArgs(
+        prompt=args.prompt,
+        url=args.url,
+        model=args.model,
+        stream=not args.no_stream,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    ))
+    print(f"\n[finish_reason={reason}]", file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving on Triton")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="render a model repository and run tritonserver on it")
+    s.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face checkpoint dir")
+    s.add_argument("--layout", choices=["disagg", "colocated", "both"], default="both")
+    s.add_argument("--prefill-instances", type=int, default=1)
+    s.add_argument("--decode-instances", type=int, default=1)
+    s.add_argument("--colocated-instances", type=int, default=1)
+    s.add_argument("--prefill-cores", help="core sets per prefill instance, e.g. '0' or '0;1'")
+    s.add_argument("--decode-cores")
+    s.add_argument("--colocated-cores")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--block-size", type=int)
+    s.add_argument("--kv-cache-bytes", type=int)
+    s.add_argument("--max-num-seqs", type=int)
+    s.add_argument("--param", action="append", help="extra model parameter KEY=VALUE")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--repo-dir", type=Path, help="where to render the repository (kept)")
+    s.set_defaults(func=cmd_serve)
+
+    g = sub.add_parser("generate", help="send one prompt over gRPC and print the text")
+    g.add_argument("prompt")
+    g.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
+    g.add_argument("--model", default="llm", help="llm or llm_colocated")
+    g.add_argument("--no-stream", action="store_true", help="one response with the whole text")
+    g.add_argument("--stream", action="store_true", help="stream tokens (the default)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
