@@ -25,43 +25,49 @@ def _engine_params(args: argparse.Namespace) -> dict[str, str]:
 def cmd_serve(args: argparse.Namespace) -> None:
     from splitserve.deploy.serve import ServeOptions, serve_forever
 
-    serve_forever(ServeOptions(
-        model=args.model,
-        layout=args.layout,
-        engine=_engine_params(args),
-        prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances,
-        colocated_instances=args.colocated_instances,
-        prefill_cores=args.prefill_cores,
-        decode_cores=args.decode_cores,
-        colocated_cores=args.colocated_cores,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        host=args.host,
-        repo_dir=args.repo_dir,
-    ))
+    serve_forever(
+        ServeOptions(
+            model=args.model,
+            layout=args.layout,
+            engine=_engine_params(args),
+            prefill_instances=args.prefill_instances,
+            decode_instances=args.decode_instances,
+            colocated_instances=args.colocated_instances,
+            prefill_cores=args.prefill_cores,
+            decode_cores=args.decode_cores,
+            colocated_cores=args.colocated_cores,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            host=args.host,
+            repo_dir=args.repo_dir,
+        )
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from splitserve_client.generate import GenerateArgs, generate
 
-    reason = generate(GenerateArgs(
-        prompt=args.prompt,
-        url=args.url,
-        model=args.model,
-        stream=not args.no_stream,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    ))
+    reason = generate(
+        GenerateArgs(
+            prompt=args.prompt,
+            url=args.url,
+            model=args.model,
+            stream=not args.no_stream,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    )
     print(f"\n[finish_reason={reason}]", file=sys.stderr)
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving on Triton")
+    ap = argparse.ArgumentParser(
+        prog="splitserve", description="Disaggregated LLM serving on Triton"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="render a model repository and run tritonserver on it")

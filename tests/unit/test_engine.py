@@ -17,6 +17,7 @@ PROMPTS = [
     [256, *range(1, 40)],
     [256, 50],
     [256, *range(100, 117)],
+    [256, *range(60, 107)],
 ]
 
 
@@ -75,7 +76,7 @@ def test_requests_joining_and_leaving_mid_generation(parts):
 def test_chunked_prefill_and_preemption_keep_outputs(parts):
     chunked = new_engine(parts, chunked_prefill=True, max_num_batched_tokens=7)
     outs = run(chunked, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
-    assert [outs[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
+    assert [outs[str(i)] for i in range(len(PROMPTS))] == [solo(parts, p) for p in PROMPTS]
     cfg = EngineConfig(model="tiny", num_kv_blocks=8)
     small = Engine(
         parts.model,
@@ -85,7 +86,7 @@ def test_chunked_prefill_and_preemption_keep_outputs(parts):
         parts.max_model_len,
     )
     outs = run(small, {str(i): (p, GREEDY) for i, p in enumerate(PROMPTS)})
-    assert [outs[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
+    assert [outs[str(i)] for i in range(len(PROMPTS))] == [solo(parts, p) for p in PROMPTS]
     assert small.scheduler.allocator.num_used == 0
     assert small.scheduler.num_preemptions > 0
 
@@ -98,6 +99,7 @@ class CopySource:
         self.loaded = self.discarded = False
 
     def load(self, dst: list[int]) -> None:
+        assert len(dst) == len(self.req.block_ids)
         data = self.prefill.runner.pool.read_blocks(self.req.block_ids)
         self.dst_pool.write_blocks(dst, data)
         self.loaded = True
@@ -121,7 +123,7 @@ def test_handoff_prefill_on_a_decode_on_b(parts):
     while decode.has_unfinished():
         for o in decode.step():
             got[o.request_id] += o.new_token_ids
-    assert [got[str(i)] for i in range(4)] == [solo(parts, p) for p in PROMPTS]
+    assert [got[str(i)] for i in range(len(PROMPTS))] == [solo(parts, p) for p in PROMPTS]
     assert prefill.allocator.num_used == 0 and decode.scheduler.allocator.num_used == 0
 
 

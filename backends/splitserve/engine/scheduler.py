@@ -133,7 +133,7 @@ class Scheduler:
                 break
             self.arrived.popleft()
             try:
-                source.load(req.block_ids)
+                source.load(req.block_ids[: -(-req.num_computed // self.limits.block_size)])
             except Exception:
                 log.warning(
                     "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
