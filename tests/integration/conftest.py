@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hf_reference import hf_greedy
+from llm_client import LEASE_TTL_S, MAX_MODEL_LEN, SERVE_ENGINE, Reference, ReferenceFactory
 
+from splitserve import LLM
 from splitserve.deploy.launcher import (
     TritonInstall,
     TritonServer,
     find_tritonserver,
     free_ports,
     libpython_dir,
+    live_group_members,
 )
+from splitserve.deploy.render import default_cpu_layout, render
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.model.random_checkpoint import write_random_checkpoint
 
 TOY_REPO = Path(__file__).resolve().parent / "toy_repo"
 START_TIMEOUT_S = 60.0
+KV_SEGMENT = re.compile(r"/dev/shm/splitserve-[0-9a-f]+")
 
 ServerFactory = Callable[[Path], TritonServer]
 
@@ -76,3 +86,104 @@ def toy_repo() -> Path:
 @pytest.fixture(scope="session")
 def toy_server(triton_server: ServerFactory, toy_repo: Path) -> TritonServer:
     return triton_server(toy_repo)
+
+
+@pytest.fixture(scope="session")
+def serve_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like the root ``llama32_ckpt`` (GQA, tied embeddings, llama3 RoPE and tokenizer), with a
+    4096-token context."""
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("serve_ckpt"),
+        arch="llama",
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tokenizer="llama3",
+    )
+
+
+@pytest.fixture(scope="session")
+def splitserve_server(
+    triton_install: TritonInstall, serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TritonServer]:
+    """One server for the session: ``llm`` + ``prefill`` + ``llm_colocated`` (layout "both").
+
+    On teardown, after the server stopped: its KV pool segments are gone from ``/dev/shm`` and no
+    Python traceback reached its log.
+    """
+    layout = default_cpu_layout("both", {"model": str(serve_ckpt), **SERVE_ENGINE})
+    prefill = replace(layout.prefill, params={"lease_ttl_s": str(LEASE_TTL_S)})
+    repo = render(replace(layout, prefill=prefill), tmp_path_factory.mktemp("splitserve_repo"))
+    http_port, grpc_port, metrics_port = free_ports(3)
+    server = TritonServer(
+        repo,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        # Each pending BLS call to prefill holds one of these threads (default 32).
+        backend_config={"python": {"thread-pool-size": 64}},
+        workdir=tmp_path_factory.mktemp("triton-splitserve"),
+        install=triton_install,
+    )
+    server.start(START_TIMEOUT_S)
+    try:
+        segments = kv_segments(server)
+        yield server
+    finally:
+        server.stop()
+    assert segments, "no KV pool segment in /dev/shm"
+    assert not [path for path in segments if path.exists()], "KV pool segments left behind"
+    log = server.log_path
+    assert log is not None
+    assert "Traceback" not in log.read_text(errors="replace"), f"a model logged an exception: {log}"
+
+
+def kv_segments(server: TritonServer) -> set[Path]:
+    """The ``/dev/shm`` KV pool segments that the server's processes have mapped."""
+    assert server.pid is not None
+    segments: set[Path] = set()
+    for pid in live_group_members(server.pid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        segments.update(map(Path, KV_SEGMENT.findall(maps)))
+    return segments
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(serve_ckpt: Path) -> ReferenceFactory:
+    """``reference(prompt, max_tokens, ignore_eos)``, cached."""
+    llm = LLM(model=str(serve_ckpt), **{k: int(v) for k, v in SERVE_ENGINE.items()})
+    cache: dict[tuple[str, int, bool], Reference] = {}
+
+    def reference(prompt: str, max_tokens: int, ignore_eos: bool) -> Reference:
+        key = (prompt, max_tokens, ignore_eos)
+        if key not in cache:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            (out,) = llm.generate(prompt, params, use_tqdm=False)
+            expected = hf_greedy(
+                serve_ckpt,
+                out.prompt_token_ids,
+                max_tokens,
+                eos_token_ids=() if ignore_eos else None,
+            )
+            assert out.token_ids == expected, "offline engine differs from transformers"
+            assert llm.tokenizer.decode(expected) == out.text
+            cache[key] = Reference(out.prompt_token_ids, out.token_ids, out.text)
+        return cache[key]
+
+    return reference

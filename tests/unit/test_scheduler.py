@@ -97,11 +97,11 @@ def test_prefilled_requests_wait_for_blocks_then_load():
     s.add_prefilled(a, RecordingSource(loaded))
     s.add_prefilled(b, RecordingSource(loaded))
     plan = s.schedule()
-    assert plan.decodes == [a] and loaded == [[0, 1, 2]]
+    assert plan.decodes == [a] and a.block_ids == [0, 1, 2] and loaded == [[0, 1]]
     assert len(s.arrived) == 1
     s.remove(a)
     plan = s.schedule()
-    assert plan.decodes == [b] and loaded[-1] == [0, 1, 2]
+    assert plan.decodes == [b] and b.block_ids == [0, 1, 2] and loaded[-1] == [0, 1]
     s.remove(b)
     assert s.allocator.num_used == 0
 

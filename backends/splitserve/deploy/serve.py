@@ -38,7 +38,9 @@ def build_layout(opts: ServeOptions) -> Layout:
     base = default_cpu_layout(opts.layout, {"model": opts.model, **opts.engine})
 
     def role(spec: RoleSpec, instances: int, cores: str | None) -> RoleSpec:
-        return replace(spec, instances=instances, cpu_cores=spec.cpu_cores if cores is None else cores)
+        return replace(
+            spec, instances=instances, cpu_cores=spec.cpu_cores if cores is None else cores
+        )
 
     return replace(
         base,

@@ -58,6 +58,7 @@ class Scheduler:
         self.arrived: deque[tuple[Request, KVSource]] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_handoff_failures = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -135,6 +136,7 @@ class Scheduler:
             try:
                 source.load(req.block_ids[: -(-req.num_computed // self.limits.block_size)])
             except Exception:
+                self.num_handoff_failures += 1
                 log.warning(
                     "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
                 )

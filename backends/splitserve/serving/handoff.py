@@ -17,6 +17,8 @@ REQUEST_ID = "request_id"
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
 
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
 POOL_FULL = "prefill KV pool is full"
 """Prefix of the error prefill returns when a prompt does not fit now; ``llm`` retries."""
 
@@ -26,9 +28,16 @@ def params_to_json(params: SamplingParams) -> bytes:
 
 
 def params_from_json(data: bytes) -> SamplingParams:
-    obj = json.loads(data)
+    """Raises ValueError naming the problem: ``prefill`` is reachable by any client."""
+    try:
+        obj = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f"{PARAMS} is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{PARAMS} must be a JSON object")
+    unknown = sorted(set(obj) - _PARAM_FIELDS)
+    if unknown:
+        raise ValueError(f"{PARAMS} has unknown keys {unknown}")
     return SamplingParams(**obj)
 
 

@@ -50,19 +50,28 @@ class DecodeModel(GenerateModelBase):
         if taken is None:
             return
         prep, sink, rid = taken
-        seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
+        handle = b""
         try:
+            seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
             first, handle = await self._prefill(rid, prep, seed)
+            if request.is_cancelled():
+                self.transport.release(handle)
+                sink.sender.send(flags=FINAL)
+                return
+            source = handoff.TransportSource(self.transport, handle)
+            self.loop.add_prefilled(
+                rid, prep.prompt_ids, prep.gen.params, first, seed, source, sink
+            )
         except PrefillError as exc:
             code = getattr(pb_utils.TritonError, exc.code_name)
             sink.sender.send(error_response(str(exc), code), flags=FINAL)
-            return
-        if request.is_cancelled():
-            self.transport.release(handle)
-            sink.sender.send(flags=FINAL)
-            return
-        source = handoff.TransportSource(self.transport, handle)
-        self.loop.add_prefilled(rid, prep.prompt_ids, prep.gen.params, first, seed, source, sink)
+        except Exception as exc:  # every request must end with FINAL, whatever went wrong
+            log.exception("request %s failed before decode", rid)
+            if handle:
+                self.transport.release(handle)
+            sink.sender.send(
+                error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL
+            )
 
     async def _prefill(self, rid: str, prep: Prepared, seed: int) -> tuple[int, bytes]:
         params = handoff.params_to_json(prep.gen.params)

@@ -47,7 +47,9 @@ class GenerateModelBase:
             engine,
             self.cfg.cancel_poll_s,
             name=f"{self.role}-engine",
-            after_step=lambda loop: self.metrics.update(loop.num_active),
+            after_step=lambda loop: self.metrics.update(
+                loop.num_active, loop.engine.scheduler.num_handoff_failures
+            ),
         )
         self.loop.start()
 

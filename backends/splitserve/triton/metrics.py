@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ GAUGES = {
     "splitserve_kv_blocks_free": "KV cache blocks free",
     "splitserve_leases_outstanding": "KV leases handed out by prefill and not yet released",
     "splitserve_requests_active": "Requests this instance is generating for",
+    "splitserve_kv_handoff_recomputes": "Handed-over requests whose KV could not be pulled and "
+    "was recomputed here (non-zero means the transport is failing)",
 }
 
 
@@ -40,7 +43,7 @@ class InstanceMetrics:
         self.min_interval_s = min_interval_s
         self._last = 0.0
 
-    def update(self, active: int = 0, force: bool = False) -> None:
+    def update(self, active: int = 0, handoff_recomputes: int = 0, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.min_interval_s:
             return
@@ -48,6 +51,27 @@ class InstanceMetrics:
         self._gauges["splitserve_kv_blocks_used"].set(self.allocator.num_used)
         self._gauges["splitserve_kv_blocks_free"].set(self.allocator.num_free)
         self._gauges["splitserve_requests_active"].set(active)
+        self._gauges["splitserve_kv_handoff_recomputes"].set(handoff_recomputes)
         if self.transport is not None:
             outstanding = self.transport.stats().get("outstanding", 0)
             self._gauges["splitserve_leases_outstanding"].set(outstanding)
+
+
+class MetricsRefresher:
+    """Refreshes an instance's gauges on a thread of its own, for a model without an engine loop
+    (``prefill``): its leases end off the request path, by release message or by expiry."""
+
+    def __init__(self, metrics: InstanceMetrics, interval_s: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(metrics, interval_s), name="metrics", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, metrics: InstanceMetrics, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            metrics.update(force=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -14,7 +14,7 @@ from splitserve.engine.request import Request
 from splitserve.serving import handoff
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
-from splitserve.triton.metrics import InstanceMetrics
+from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
 from splitserve.triton.setup import setup_instance
 from splitserve.triton.tensors import error_response
 
@@ -26,11 +26,17 @@ def _parse(request: Any) -> Request:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
             raise ValueError(f"input '{name}' is required")
-        return tensor.as_numpy().reshape(-1)
+        array = tensor.as_numpy()
+        if array.shape[0] != 1:
+            raise ValueError(f"input '{name}' must hold one request, got shape {array.shape}")
+        return array.reshape(-1)
 
     ids = [int(t) for t in get(handoff.INPUT_IDS)]
     params = handoff.params_from_json(bytes(get(handoff.PARAMS)[0]))
-    rid = bytes(get(handoff.REQUEST_ID)[0]).decode()
+    try:
+        rid = bytes(get(handoff.REQUEST_ID)[0]).decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"input '{handoff.REQUEST_ID}' is not valid UTF-8") from None
     req = Request(rid, ids, params)
     req.seed = int(get(handoff.SEED)[0])
     return req
@@ -45,6 +51,7 @@ class PrefillModel:
         self.transport.register(pool)
         self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
         self.metrics = InstanceMetrics(args, pool.allocator, self.transport)
+        self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
@@ -92,4 +99,5 @@ class PrefillModel:
             )
 
     def finalize(self) -> None:
+        self.refresher.stop()
         self.transport.close()

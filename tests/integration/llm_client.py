@@ -1,0 +1,225 @@
+"""Test clients for the generate models: gRPC streams, HTTP generate[_stream], /metrics gauges."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from splitserve.deploy.launcher import TritonServer
+
+Event = tuple[grpcclient.InferResult | None, InferenceServerException | None]
+Tensors = Mapping[str, tuple[np.ndarray, str]]
+"""Extra request inputs: name -> (array, Triton datatype)."""
+
+# Settings of the session's splitserve server (conftest.splitserve_server).
+MAX_MODEL_LEN = 4096
+"""Long enough that a stream the tests cancel would otherwise run for seconds."""
+SERVE_ENGINE = {"max_model_len": str(MAX_MODEL_LEN), "num_kv_blocks": "1024"}
+LEASE_TTL_S = 2.0
+"""Prefill's lease lifetime in the splitserve server, short so that an unpulled lease expires
+within a test."""
+
+GAUGE_LINE = re.compile(r"^(splitserve_\w+)\{([^}]*)\} (\S+)$", re.M)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Greedy output of the offline engine, checked against transformers token for token."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+
+
+ReferenceFactory = Callable[[str, int, bool], Reference]
+"""``reference(prompt, max_tokens, ignore_eos)``"""
+
+
+@dataclass
+class Generation:
+    """What one request returned: concatenated text and the last response's extras."""
+
+    text: str = ""
+    finals: list[bool] = field(default_factory=list)
+    """``triton_final_response`` of every response, in order."""
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    finish_reason: str | None = None
+
+
+def generate_inputs(
+    prompt: str | bytes | None,
+    *,
+    stream: bool | None = None,
+    sampling: Mapping[str, Any] | None = None,
+    tensors: Tensors | None = None,
+) -> list[grpcclient.InferInput]:
+    arrays: dict[str, tuple[np.ndarray, str]] = {}
+    if prompt is not None:
+        data = prompt.encode() if isinstance(prompt, str) else prompt
+        arrays["text_input"] = (np.array([data], dtype=np.object_), "BYTES")
+    if stream is not None:
+        arrays["stream"] = (np.array([stream]), "BOOL")
+    if sampling is not None:
+        arrays["sampling_parameters"] = (
+            np.array([json.dumps(sampling).encode()], np.object_),
+            "BYTES",
+        )
+    arrays.update(tensors or {})
+    return infer_inputs(arrays)
+
+
+def infer_inputs(tensors: Tensors) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, (array, datatype) in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _first(result: grpcclient.InferResult, name: str) -> Any:
+    """The output's first element as a Python value (bytes for BYTES), None if absent."""
+    array = result.as_numpy(name)
+    if array is None:
+        return None
+    value = array.reshape(-1)[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+class GrpcStream:
+    """One gRPC bidirectional stream whose callback events land in a queue."""
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
+
+    def send(self, model: str, inputs: list[grpcclient.InferInput]) -> None:
+        self.client.async_stream_infer(model, inputs)
+
+    def next(self, timeout_s: float = 30.0) -> Event:
+        return self.events.get(timeout=timeout_s)
+
+    def collect(self, timeout_s: float = 30.0) -> Generation:
+        """Read one request's responses up to the FINAL one; raise its error if it failed."""
+        gen = Generation()
+        while not gen.finals or not gen.finals[-1]:
+            result, error = self.next(timeout_s)
+            if error is not None:
+                raise error
+            assert result is not None
+            gen.finals.append(is_final(result))
+            gen.text += _first(result, "text_output").decode()
+            if gen.finals[-1]:
+                gen.num_input_tokens = _first(result, "num_input_tokens")
+                gen.num_output_tokens = _first(result, "num_output_tokens")
+                reason = _first(result, "finish_reason")
+                gen.finish_reason = None if reason is None else reason.decode()
+        return gen
+
+    def generate(self, model: str, inputs: list[grpcclient.InferInput]) -> Generation:
+        self.send(model, inputs)
+        return self.collect()
+
+    def error_of(self, model: str, inputs: list[grpcclient.InferInput]) -> str:
+        """Send a request that must fail; its error message (tritonclient drops the code)."""
+        self.send(model, inputs)
+        result, error = self.next()
+        assert result is None, f"expected an error, got {result.get_response()}"
+        assert error is not None
+        return error.message()
+
+    def close(self, cancel: bool = False) -> None:
+        self.client.stop_stream(cancel_requests=cancel)
+        self.client.close()
+
+    def __enter__(self) -> GrpcStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(cancel=exc_type is not None)
+
+
+def is_final(result: grpcclient.InferResult) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def post(
+    server: TritonServer, model: str, endpoint: str, body: bytes | dict[str, Any]
+) -> tuple[int, str]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/{model}/{endpoint}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def sse_events(body: str) -> list[dict[str, Any]]:
+    return [json.loads(line.removeprefix("data: ")) for line in body.splitlines() if line]
+
+
+def http_generation(events: list[dict[str, Any]]) -> Generation:
+    """Concatenate ``generate``'s one response or ``generate_stream``'s events."""
+    last = events[-1]
+    return Generation(
+        text="".join(event["text_output"] for event in events),
+        num_input_tokens=last.get("num_input_tokens"),
+        num_output_tokens=last.get("num_output_tokens"),
+        finish_reason=last.get("finish_reason"),
+    )
+
+
+def is_ready(server: TritonServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=5) as response:
+            return response.status == 200
+    except urllib.error.URLError:
+        return False
+
+
+def gauges(server: TritonServer) -> dict[tuple[str, str], float]:
+    """Every ``splitserve_*`` gauge on the metrics port, keyed by (name, model), summed over
+    instances."""
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    values: dict[tuple[str, str], float] = {}
+    for name, labels, value in GAUGE_LINE.findall(text):
+        key = (name, dict(LABEL.findall(labels))["model"])
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
