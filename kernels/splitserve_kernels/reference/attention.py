@@ -7,6 +7,7 @@ Cache tensors are the pool's ``[num_blocks, num_layers, 2, block_size, kv_heads,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(
@@ -54,28 +55,23 @@ def varlen_prefill_attention(
     ``q`` ``[Tq, heads, d]``; ``k``/``v`` ``[Tk, kv_heads, d]``; sequence ``i`` owns
     ``q[cu_q[i]:cu_q[i+1]]`` and ``k[cu_k[i]:cu_k[i+1]]`` (keys = cached context + new tokens).
     """
-    heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     for i in range(len(cu_seqlens_q) - 1):
         q0, q1, k0, k1 = cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]
-        qi = q[q0:q1].transpose(0, 1)
-        ki = k[k0:k1].transpose(0, 1)
-        vi = v[k0:k1].transpose(0, 1)
-        if heads != kv_heads:
-            ki = ki.repeat_interleave(heads // kv_heads, dim=0)
-            vi = vi.repeat_interleave(heads // kv_heads, dim=0)
+        # [1, heads, T, d]: the 4-D form reaches torch's fused CPU attention kernel.
+        qi, ki, vi = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k1], v[k0:k1]))
         n_q, n_k = q1 - q0, k1 - k0
         if sliding_window is None and n_q == n_k:
-            oi = torch.nn.functional.scaled_dot_product_attention(
-                qi, ki, vi, is_causal=True, scale=scale
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             q_pos = torch.arange(n_k - n_q, n_k, device=q.device)
             mask = _window_mask(q_pos, torch.arange(n_k, device=q.device), sliding_window)
-            oi = torch.nn.functional.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=scale
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
             )
-        out[q0:q1] = oi.transpose(0, 1)
+        out[q0:q1] = oi[0].transpose(0, 1)
     return out
 
 
@@ -93,17 +89,16 @@ def paged_decode_attention(
     ``q`` ``[B, heads, d]``; ``block_tables`` ``[B, max_blocks]`` (padding entries may hold any
     valid block id); ``seq_lens`` ``[B]`` counts the keys of each sequence, the new token included.
     """
-    batch, heads, dim = q.shape
-    kv = cache[block_tables, layer]  # [B, nb, 2, bs, kvh, d]
-    kv_heads = kv.shape[-2]
-    k = kv[:, :, 0].reshape(batch, -1, kv_heads, dim)
-    v = kv[:, :, 1].reshape(batch, -1, kv_heads, dim)
-    pos = torch.arange(k.shape[1], device=q.device)
+    batch, max_blocks = block_tables.shape
+    _, _, _, block_size, kv_heads, dim = cache.shape
+    kv = cache[:, layer].index_select(0, block_tables.reshape(-1))
+    kv = kv.view(batch, max_blocks, 2, block_size, kv_heads, dim)
+    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, kv_heads, max_blocks * block_size, dim)
+    pos = torch.arange(max_blocks * block_size, device=q.device)
     valid = pos[None, :] < seq_lens[:, None]
     if sliding_window is not None:
         valid &= pos[None, :] >= seq_lens[:, None] - sliding_window
-    qg = q.view(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(batch, heads, dim)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], kv[0], kv[1], attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0]
