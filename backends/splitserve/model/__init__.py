@@ -29,6 +29,7 @@ def load_model(
     if is_tiny(model):
         net = LlamaForCausalLM(tiny_config(), dtype, device, max_positions)
         init_random_weights(net)
+        net.pack_weights()
         return net
     model_dir = Path(str(model))
     if not model_dir.is_dir():
@@ -38,6 +39,7 @@ def load_model(
         )
     net = LlamaForCausalLM(ModelConfig.from_dir(model_dir), dtype, device, max_positions)
     load_weights(net, model_dir, progress)
+    net.pack_weights()
     return net
 
 

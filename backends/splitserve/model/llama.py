@@ -13,6 +13,7 @@ from torch import nn
 import splitserve_kernels as kernels
 from splitserve.model.batch import ForwardBatch
 from splitserve.model.config import ModelConfig
+from splitserve.model.linear import linear, pack
 from splitserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -45,6 +46,14 @@ class DecoderLayer(nn.Module):
         )
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
         self.scale = cfg.head_dim**-0.5
+        self.packed: dict[str, torch.Tensor | None] = {}
+
+    def pack_weights(self) -> None:
+        """Pre-pack the projection matrices where the platform supports it (see linear.py)."""
+        self.packed = {
+            name: pack(getattr(self, name))
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        }
 
     def forward(
         self,
@@ -56,17 +65,18 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         x = rms_norm(h, self.input_layernorm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        packed = self.packed
+        qkv = linear(x, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         kernels.write_kv(cache, self.index, k, v, batch.slot_blocks, batch.slot_offsets)
         attn = self._attention(q, k, v, batch, cache)
-        h = h + F.linear(attn.reshape(attn.shape[0], -1), self.o_proj)
+        h = h + linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj, None, packed.get("gate_up_proj")).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down_proj, None, packed.get("down_proj"))
 
     def _attention(
         self,
@@ -119,6 +129,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, device
         )
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Call once the weights are final: pre-packs every matmul weight where supported."""
+        for layer in self.layers:
+            layer.pack_weights()
+        self.lm_head_packed = pack(self.lm_head)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
@@ -129,4 +146,4 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, cache)
         h = h[batch.logits_indices]
         h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, None, self.lm_head_packed).float()

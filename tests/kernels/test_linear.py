@@ -1,0 +1,21 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.model.linear import can_pack, linear, pack
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_plain(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    packed = pack(w)
+    if not can_pack(w):
+        pytest.skip("MKL packing not available in this torch build")
+    torch.testing.assert_close(linear(x, w, b, packed), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_no_packing_for_half_precision():
+    assert pack(torch.randn(8, 8, dtype=torch.bfloat16)) is None
