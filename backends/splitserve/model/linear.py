@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 PACK_ROWS_HINT = 64
-"""Row count MKL packs for; one packing serves every row count (measured for 1 to 2048)."""
+"""Row count MKL is told to pack for; the packing serves every row count (checked 1 to 2048)."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -40,4 +40,5 @@ def linear(
 ) -> torch.Tensor:
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, PACK_ROWS_HINT)
+    # The last argument must equal the row count, or MKL falls back to the unpacked weight.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
