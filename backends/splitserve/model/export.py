@@ -15,7 +15,6 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.data
-    inter = cfg.intermediate_size
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, kv = layer.q_size, layer.kv_size
@@ -29,8 +28,8 @@ def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             if layer.qkv_bias is not None:
                 out[f"{p}self_attn.{name}.bias"] = layer.qkv_bias.data[rows]
         out[f"{p}self_attn.o_proj.weight"] = layer.o_proj.data
-        out[f"{p}mlp.gate_proj.weight"] = layer.gate_up_proj.data[:inter]
-        out[f"{p}mlp.up_proj.weight"] = layer.gate_up_proj.data[inter:]
+        out[f"{p}mlp.gate_proj.weight"] = layer.gate_proj.data
+        out[f"{p}mlp.up_proj.weight"] = layer.up_proj.data
         out[f"{p}mlp.down_proj.weight"] = layer.down_proj.data
         out[f"{p}input_layernorm.weight"] = layer.input_layernorm.data
         out[f"{p}post_attention_layernorm.weight"] = layer.post_attention_layernorm.data

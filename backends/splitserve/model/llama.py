@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3/3.x, Qwen2, Mistral) over a paged KV cache.
 
-Projections are fused (q|k|v and gate|up) to halve the matmul calls per layer; the loader
-slices Hugging Face tensors into them.
+The q, k and v projections are fused into one matmul; the loader slices Hugging Face tensors
+into it.
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ class DecoderLayer(nn.Module):
         )
         self.o_proj = _param(cfg.hidden_size, q, dtype=dtype, device=device)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.gate_up_proj = _param(
-            2 * cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device
-        )
+        self.gate_proj = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.up_proj = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
         self.scale = cfg.head_dim**-0.5
         self.packed: dict[str, torch.Tensor | None] = {}
@@ -52,7 +51,7 @@ class DecoderLayer(nn.Module):
         """Pre-pack the projection matrices where the platform supports it (see linear.py)."""
         self.packed = {
             name: pack(getattr(self, name))
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            for name in ("qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         }
 
     def forward(
@@ -75,8 +74,11 @@ class DecoderLayer(nn.Module):
         attn = self._attention(q, k, v, batch, cache)
         h = h + linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
         x = rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps)
-        gate, up = linear(x, self.gate_up_proj, None, packed.get("gate_up_proj")).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj, None, packed.get("down_proj"))
+        # Separate gate/up matmuls: halves of one fused output are strided, and silu/mul on
+        # strided views run several times slower than on contiguous tensors.
+        act = F.silu(linear(x, self.gate_proj, None, packed.get("gate_proj")), inplace=True)
+        act.mul_(linear(x, self.up_proj, None, packed.get("up_proj")))
+        return h + linear(act, self.down_proj, None, packed.get("down_proj"))
 
     def _attention(
         self,

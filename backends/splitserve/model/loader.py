@@ -41,7 +41,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice]:
     """The parameter and row range that an expected HF tensor name fills."""
-    cfg = model.cfg
     if name == "model.embed_tokens.weight":
         return model.embed_tokens, slice(None)
     if name == "model.norm.weight":
@@ -52,7 +51,7 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice]:
     assert match is not None
     index, rest = int(match.group(1)), match.group(2)
     layer = model.layers[index]
-    q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
+    q, kv = layer.q_size, layer.kv_size
     qkv_rows = {
         "q_proj": slice(0, q),
         "k_proj": slice(q, q + kv),
@@ -66,8 +65,8 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, slice]:
         return param, qkv_rows[short]
     table: dict[str, tuple[torch.Tensor, slice]] = {
         "self_attn.o_proj.weight": (layer.o_proj, slice(None)),
-        "mlp.gate_proj.weight": (layer.gate_up_proj, slice(0, inter)),
-        "mlp.up_proj.weight": (layer.gate_up_proj, slice(inter, 2 * inter)),
+        "mlp.gate_proj.weight": (layer.gate_proj, slice(None)),
+        "mlp.up_proj.weight": (layer.up_proj, slice(None)),
         "mlp.down_proj.weight": (layer.down_proj, slice(None)),
         "input_layernorm.weight": (layer.input_layernorm, slice(None)),
         "post_attention_layernorm.weight": (layer.post_attention_layernorm, slice(None)),
