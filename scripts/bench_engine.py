@@ -1,8 +1,9 @@
 """Engine speed vs Hugging Face transformers on the same weights, and vs the machine's limits.
 
 Decode tokens/s at several batch sizes and prefill tokens/s at long prompts, each as a fraction
-of its physical limit: decode is bound by memory bandwidth (weights + KV read per step), prefill
-by matmul FLOP rate. Run: python scripts/bench_engine.py --model tiny --model DIR
+of its physical limit. A decode step cannot take less than the larger of (weights + KV read) /
+memory bandwidth and its FLOPs / matmul rate; prefill is bound by FLOPs / matmul rate. Both rates
+are measured here first. Run: python scripts/bench_engine.py --model tiny --model DIR
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ def prefill_flops(model: LlamaForCausalLM, prompt_len: int) -> float:
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len**2 / 2
     lm_head = 2 * cfg.hidden_size * cfg.vocab_size
     return linear + attention + lm_head
+
+
+def decode_flops(model: LlamaForCausalLM, batch: int, context: float) -> float:
+    cfg = model.cfg
+    linear = 2 * (matmul_params(model) + cfg.hidden_size * cfg.vocab_size) * batch
+    attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
+    return linear + attention
 
 
 def _prompts(vocab: int, batch: int, length: int) -> list[list[int]]:
@@ -173,7 +181,8 @@ def bench_model(args: argparse.Namespace, model: str, bw: float, flops: float) -
             )
             ctx = args.decode_prompt + args.steps / 2
             step_bytes = weight_bytes(parts.model) + batch * ctx * kv_token_bytes
-            limit = batch * bw / step_bytes
+            step_s = max(step_bytes / bw, decode_flops(parts.model, batch, ctx) / flops)
+            limit = batch / step_s
         else:
             ours = max(
                 ours_prefill(parts, cfg, batch, args.prompt_len) for _ in range(args.repeats)

@@ -28,7 +28,8 @@ class ServingConfig:
     default_max_tokens: int = 16
     prefill_retry_s: float = 60.0
     """How long ``llm`` keeps retrying a prompt while the prefill pool is full."""
-    cancel_poll_s: float = 0.05
+    cancel_poll_s: float = 0.1
+    """How often the engine loop asks Triton whether clients cancelled (an IPC per request)."""
     metrics_interval_s: float = 0.1
 
     def __post_init__(self) -> None:

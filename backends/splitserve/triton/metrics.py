@@ -42,19 +42,26 @@ class InstanceMetrics:
         self.transport = transport
         self.min_interval_s = min_interval_s
         self._last = 0.0
+        self._values: dict[str, int] = {}
 
     def update(self, active: int = 0, handoff_recomputes: int = 0, force: bool = False) -> None:
+        """Set the gauges whose values changed; each set is an IPC to the server."""
         now = time.monotonic()
         if not force and now - self._last < self.min_interval_s:
             return
         self._last = now
-        self._gauges["splitserve_kv_blocks_used"].set(self.allocator.num_used)
-        self._gauges["splitserve_kv_blocks_free"].set(self.allocator.num_free)
-        self._gauges["splitserve_requests_active"].set(active)
-        self._gauges["splitserve_kv_handoff_recomputes"].set(handoff_recomputes)
+        values = {
+            "splitserve_kv_blocks_used": self.allocator.num_used,
+            "splitserve_kv_blocks_free": self.allocator.num_free,
+            "splitserve_requests_active": active,
+            "splitserve_kv_handoff_recomputes": handoff_recomputes,
+        }
         if self.transport is not None:
-            outstanding = self.transport.stats().get("outstanding", 0)
-            self._gauges["splitserve_leases_outstanding"].set(outstanding)
+            values["splitserve_leases_outstanding"] = self.transport.stats().get("outstanding", 0)
+        for name, value in values.items():
+            if self._values.get(name) != value:
+                self._gauges[name].set(value)
+                self._values[name] = value
 
 
 class MetricsRefresher:
