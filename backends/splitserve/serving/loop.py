@@ -146,14 +146,20 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {exc}", "internal")
                 continue
             self.num_steps += 1
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is None:
-                    continue
-                if out.finished:
-                    del self._sinks[out.request_id]
-                sink.send(out)
+            self._dispatch(outputs)
         self._fail_all("server is shutting down", "unavailable")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Route outputs to their sinks. A method of its own so that no frame outlives the
+        request's sink: Triton unloads a decoupled model only once every response sender of
+        it has been garbage-collected."""
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink.send(out)
 
     def _fail_all(self, message: str, kind: str) -> None:
         for rid, sink in list(self._sinks.items()):

@@ -74,6 +74,7 @@ class GenerateModelBase:
     def finalize(self) -> None:
         self.loop.stop()
         self.sender.stop()
+        self.metrics.close()
         log.info("%s finalized", self.role)
 
 

@@ -63,6 +63,12 @@ class InstanceMetrics:
                 self._gauges[name].set(value)
                 self._values[name] = value
 
+    def close(self) -> None:
+        """Drop the metric objects while the stub can still process their destructors: left to
+        interpreter teardown, they are collected after the stub's IPC is gone and crash it."""
+        self._gauges.clear()
+        self._families.clear()
+
 
 class MetricsRefresher:
     """Refreshes an instance's gauges on a thread of its own, for a model without an engine loop

@@ -100,4 +100,5 @@ class PrefillModel:
 
     def finalize(self) -> None:
         self.refresher.stop()
+        self.metrics.close()
         self.transport.close()

@@ -38,15 +38,25 @@ class SenderThread:
         self._thread.join(5)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            sender, response, flags = item
-            try:
-                if response is None:
-                    sender.send(flags=flags)
-                else:
-                    sender.send(response, flags=flags)
-            except Exception:
-                log.exception("sending a response failed")
+        while self._send_next():
+            pass
+
+    def _send_next(self) -> bool:
+        """Send one queued response; False on the stop marker. Locals die on return, so an
+        idle thread holds no response sender (Triton waits for every sender of a decoupled
+        model to be collected before it unloads the model)."""
+        item = self._queue.get()
+        if item is None:
+            return False
+        sender, response, flags = item
+        try:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+        except Exception:
+            log.exception("sending a response failed")
+        return True
 
 
 class TritonSink:
