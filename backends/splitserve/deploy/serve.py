@@ -66,6 +66,10 @@ def start_server(opts: ServeOptions) -> TritonServer:
 
 def serve_forever(opts: ServeOptions) -> None:
     """Run until SIGINT/SIGTERM, then stop the server (and its stubs) cleanly."""
+    if opts.repo_dir is None:
+        with tempfile.TemporaryDirectory(prefix="splitserve-repo-") as tmp:
+            serve_forever(replace(opts, repo_dir=Path(tmp)))
+        return
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
