@@ -193,6 +193,33 @@ def bench_model(args: argparse.Namespace, model: str, bw: float, flops: float) -
     return rows
 
 
+def plot(rows: list[dict[str, float | int | str]], path: Path) -> None:
+    """Bars of Splitserve, transformers and the roofline limit per cell, one panel per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({str(r["model"]) for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        cells = [r for r in rows if r["model"] == model]
+        xs = range(len(cells))
+        for offset, key, label in (
+            (-0.27, "ours_tok_s", "Splitserve"),
+            (0.0, "hf_tok_s", "transformers"),
+            (0.27, "limit_tok_s", "roofline limit"),
+        ):
+            ax.bar([x + offset for x in xs], [float(c[key]) for c in cells], 0.27, label=label)
+        ax.set_xticks(list(xs), [f"{c['phase']}\nbatch {c['batch']}" for c in cells])
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(model)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", action="append", help="'tiny' or a checkpoint dir (repeatable)")
@@ -204,6 +231,7 @@ def main() -> None:
     ap.add_argument("--prefill-batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="best of N per cell")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     bw, flops = memory_bandwidth(), matmul_flops(dtype)
@@ -223,6 +251,8 @@ def main() -> None:
         )
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    if args.plot:
+        plot([asdict(r) for r in rows], args.plot)
 
 
 if __name__ == "__main__":
