@@ -65,3 +65,12 @@ def test_non_streaming_prepends_prompt_by_default():
 def test_bad_inputs_name_the_field(inputs, field):
     with pytest.raises(InputError, match=field):
         parse_generate(inputs)
+
+
+def test_sampling_values_given_as_strings_are_converted_like_the_vllm_backend():
+    raw = {"max_tokens": "8", "min_tokens": "2", "temperature": "0", "ignore_eos": "true", "n": "1"}
+    req = parse_generate({"text_input": b("hi"), "sampling_parameters": b(json.dumps(raw))})
+    p = req.params
+    assert (p.max_tokens, p.min_tokens, p.temperature, p.ignore_eos) == (8, 2, 0.0, True)
+    with pytest.raises(InputError, match="max_tokens"):
+        parse_generate({"text_input": b("a"), "sampling_parameters": b('{"max_tokens": "x"}')})

@@ -31,7 +31,7 @@ class GenerateRequest:
     return_num_output_tokens: bool
 
 
-SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
+SAMPLING_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
 # Tensor inputs (TensorRT-LLM backend names first) -> SamplingParams field.
 TENSOR_PARAMS: dict[str, str] = {
     "max_tokens": "max_tokens",
@@ -93,6 +93,23 @@ def _sampling_json(raw: Any) -> dict[str, Any]:
     return obj
 
 
+def _from_string(key: str, value: Any) -> Any:
+    """Numbers and booleans given as JSON strings (genai-perf sends ``"max_tokens": "8"``),
+    converted as Triton's vLLM backend does; other values pass through unchanged."""
+    kind = SAMPLING_TYPES.get(key) or type(TRIVIAL_VALUES.get(key)).__name__
+    if not isinstance(value, str) or kind not in ("int", "int | None", "float", "bool"):
+        return value
+    text = value.strip()
+    try:
+        if kind == "bool":
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        return float(text) if kind == "float" else int(text)
+    except ValueError:
+        raise InputError(f"sampling_parameters '{key}': cannot read {value!r} as {kind}") from None
+
+
 def _check_trivial(key: str, value: Any, source: str) -> None:
     if value != TRIVIAL_VALUES[key]:
         raise InputError(
@@ -111,9 +128,10 @@ def parse_generate(
         for key, value in _sampling_json(
             _scalar("sampling_parameters", inputs["sampling_parameters"])
         ).items():
+            value = _from_string(key, value)
             if key in TRIVIAL_VALUES:
                 _check_trivial(key, value, "sampling_parameters")
-            elif key in SAMPLING_KEYS:
+            elif key in SAMPLING_TYPES:
                 kwargs[key] = value
             else:
                 raise InputError(f"sampling_parameters key '{key}' is not supported")
