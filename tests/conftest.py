@@ -9,35 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from checkpoints import LLAMA32_SETTINGS
 
 from splitserve.model.random_checkpoint import write_random_checkpoint
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 64,
-}
 
 
 @pytest.fixture(scope="session")
 def llama32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Llama 3.2-like: GQA 4q/2kv, tied embeddings, llama3 RoPE, legacy config, llama3 tokenizer."""
+    """``LLAMA32_SETTINGS`` with a 512-token context."""
     return write_random_checkpoint(
-        tmp_path_factory.mktemp("llama32"),
-        arch="llama",
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=256,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-        rope_scaling=LLAMA3_ROPE,
-        rope_theta=500000.0,
-        max_position_embeddings=512,
-        tokenizer="llama3",
+        tmp_path_factory.mktemp("llama32"), **LLAMA32_SETTINGS, max_position_embeddings=512
     )
 
 

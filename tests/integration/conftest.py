@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from checkpoints import LLAMA32_SETTINGS
 from hf_reference import hf_greedy
 from llm_client import LEASE_TTL_S, MAX_MODEL_LEN, SERVE_ENGINE, Reference, ReferenceFactory
 
@@ -94,24 +95,8 @@ def serve_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     4096-token context."""
     return write_random_checkpoint(
         tmp_path_factory.mktemp("serve_ckpt"),
-        arch="llama",
-        hidden_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=256,
-        vocab_size=1024,
-        tie_word_embeddings=True,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        rope_theta=500000.0,
+        **LLAMA32_SETTINGS,
         max_position_embeddings=MAX_MODEL_LEN,
-        tokenizer="llama3",
     )
 
 
