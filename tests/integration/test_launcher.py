@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import re
 import shutil
 import time
@@ -12,12 +11,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from llm_client import GrpcStream, is_final
 
 from splitserve.deploy.launcher import (
     TritonInstall,
@@ -31,18 +29,12 @@ pytestmark = pytest.mark.triton
 
 MODEL = "echo_stream"
 ServerFactory = Callable[[Path], TritonServer]
-Event = tuple[grpcclient.InferResult | None, InferenceServerException | None]
 
 
-class GrpcStream:
-    """One gRPC bidirectional stream whose callbacks land in a queue."""
+class ToyStream(GrpcStream):
+    """A stream to the toy ``echo_stream`` model, with a request id per request."""
 
-    def __init__(self, url: str) -> None:
-        self.client = grpcclient.InferenceServerClient(url)
-        self.events: queue.Queue[Event] = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
-
-    def send(self, request_id: str, text: str, max_tokens: int | None = None) -> None:
+    def send_text(self, request_id: str, text: str, max_tokens: int | None = None) -> None:
         text_input = grpcclient.InferInput("text_input", [1], "BYTES")
         text_input.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
         inputs = [text_input]
@@ -54,33 +46,11 @@ class GrpcStream:
             MODEL, inputs, request_id=request_id, enable_empty_final_response=True
         )
 
-    def next(self, timeout_s: float = 10.0) -> Event:
-        return self.events.get(timeout=timeout_s)
-
     def next_result(self, timeout_s: float = 10.0) -> grpcclient.InferResult:
         result, error = self.next(timeout_s)
         assert error is None, error
         assert result is not None
         return result
-
-    def close(self, cancel: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
-
-    def __enter__(self) -> GrpcStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close(cancel=exc_type is not None)
-
-
-def is_final(result: grpcclient.InferResult) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
 
 
 def text_of(result: grpcclient.InferResult) -> str:
@@ -120,8 +90,8 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 def test_grpc_stream_sends_every_token_and_final_on_the_last(toy_server: TritonServer) -> None:
     prompt = "alpha beta gamma"
-    with GrpcStream(toy_server.grpc_url) as stream:
-        stream.send("r1", prompt, max_tokens=5)
+    with ToyStream(toy_server.grpc_url) as stream:
+        stream.send_text("r1", prompt, max_tokens=5)
         results = [stream.next_result() for _ in range(5)]
     assert [text_of(r) for r in results] == ["alpha", "beta", "gamma", "alpha", "beta"]
     assert [is_final(r) for r in results] == [False] * 4 + [True]
@@ -132,9 +102,9 @@ def test_grpc_stream_sends_every_token_and_final_on_the_last(toy_server: TritonS
 
 def test_concurrent_requests_share_a_prefill_batch(toy_server: TritonServer) -> None:
     prompts = {f"c{i}": "w " * (i + 1) for i in range(8)}
-    with GrpcStream(toy_server.grpc_url) as stream:
+    with ToyStream(toy_server.grpc_url) as stream:
         for request_id, prompt in prompts.items():
-            stream.send(request_id, prompt, max_tokens=1)
+            stream.send_text(request_id, prompt, max_tokens=1)
         results = [stream.next_result() for _ in prompts]
     for result in results:
         prompt = prompts[result.get_response().id]
@@ -145,20 +115,20 @@ def test_concurrent_requests_share_a_prefill_batch(toy_server: TritonServer) -> 
 
 
 def test_invalid_input_reaches_grpc_client_as_error(toy_server: TritonServer) -> None:
-    with GrpcStream(toy_server.grpc_url) as stream:
-        stream.send("bad", "   ", max_tokens=3)
+    with ToyStream(toy_server.grpc_url) as stream:
+        stream.send_text("bad", "   ", max_tokens=3)
         result, error = stream.next()
         assert result is None
         assert error is not None
         assert "at least one word" in error.message()
-        stream.send("good", "ok", max_tokens=1)
+        stream.send_text("good", "ok", max_tokens=1)
         assert text_of(stream.next_result()) == "ok"
 
 
 def test_cancel_is_seen_by_the_model(toy_server: TritonServer) -> None:
-    stream = GrpcStream(toy_server.grpc_url)
+    stream = ToyStream(toy_server.grpc_url)
     try:
-        stream.send("long", "tick tock", max_tokens=1_000_000)
+        stream.send_text("long", "tick tock", max_tokens=1_000_000)
         for _ in range(3):
             stream.next_result()
         assert active_streams(toy_server) == 1
@@ -241,9 +211,9 @@ def test_stop_kills_a_server_stuck_on_a_stream(
     assert pid is not None
     regions = stub_shm_regions(live_group_members(pid))
     assert len(regions) == 2
-    stream = GrpcStream(server.grpc_url)
+    stream = ToyStream(server.grpc_url)
     try:
-        stream.send("endless", "spin", max_tokens=1_000_000)
+        stream.send_text("endless", "spin", max_tokens=1_000_000)
         stream.next_result()
         started = time.monotonic()
         server.stop(timeout_s=0.5)
