@@ -10,9 +10,14 @@ from splitserve.config import EngineConfig
 from splitserve.engine.scheduler import SchedulerLimits
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
-from splitserve.model import is_tiny, load_model
+from splitserve.model import ModelConfig, is_tiny, load_model
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.tokenizer import Tokenizer, load_tokenizer
+
+
+def eos_ids(tokenizer: Tokenizer, cfg: ModelConfig) -> tuple[int, ...]:
+    """Tokens that end a generation: the tokenizer's, else the model config's."""
+    return tuple(tokenizer.eos_token_ids) or cfg.eos_token_ids
 
 
 @dataclass
@@ -25,7 +30,7 @@ class Components:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.eos_token_ids) or self.model.cfg.eos_token_ids
+        return eos_ids(self.tokenizer, self.model.cfg)
 
     def new_pool(self) -> KVPool:
         return KVPool(self.layout, self.num_blocks, self.model.embed_tokens.device)

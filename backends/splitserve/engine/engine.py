@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitserve.engine.build import eos_ids
 from splitserve.engine.output import OutputState, RequestOutput
 from splitserve.engine.request import Request, Status
 from splitserve.engine.runner import ModelRunner
@@ -32,7 +33,7 @@ class Engine:
         self.runner = ModelRunner(model, pool)
         self.scheduler = Scheduler(pool.allocator, limits)
         self.tokenizer = tokenizer
-        self.eos_ids = tuple(tokenizer.eos_token_ids) or model.cfg.eos_token_ids
+        self.eos_ids = eos_ids(tokenizer, model.cfg)
         self.vocab_size = model.cfg.vocab_size
         self.max_model_len = max_model_len
         self.block_size = pool.layout.block_size
