@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+import splitserve_kernels as kernels
 from splitserve.config import EngineConfig
 from splitserve.engine.scheduler import SchedulerLimits
 from splitserve.kv.layout import KVLayout
@@ -57,6 +58,7 @@ def build_components(cfg: EngineConfig, progress: bool = False) -> Components:
             f"max_model_len {max_model_len}; raise kv_cache_bytes or lower max_model_len"
         )
     tokenizer = load_tokenizer(None if is_tiny(cfg.model) else cfg.model)
+    kernels.prepare(cfg.device)
     return Components(model, tokenizer, layout, num_blocks, max_model_len)
 
 

@@ -1,0 +1,68 @@
+"""C++ kernels for CPUs, compiled on first use with the local compiler.
+
+The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) and reused by every later process; a source change rebuilds it.
+``SPLITSERVE_CPU_KERNELS=0`` turns the kernels off. Where the build fails, each entry point falls
+back to its pure-torch reference with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from splitserve_kernels.reference import attention as reference
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def enabled() -> bool:
+    return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") != "0"
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None where kernels are off or the build failed."""
+    if not enabled():
+        return None
+    from torch.utils.cpp_extension import load
+
+    log.info("loading the CPU attention kernel (compiled once, then cached)")
+    try:
+        return load(
+            "splitserve_cpu_kernels",
+            [str(p) for p in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as exc:  # a missing compiler or headers: run on the reference instead
+        log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
+        return None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.attention.paged_decode_attention``; reads the cache in place."""
+    ext = extension() if q.device.type == "cpu" else None
+    if ext is None:
+        return reference.paged_decode_attention(
+            q, cache, layer, block_tables, seq_lens, scale, sliding_window
+        )
+    return ext.paged_decode_attention(
+        q, cache, layer, block_tables, seq_lens, scale, sliding_window or -1
+    )

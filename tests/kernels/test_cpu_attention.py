@@ -1,0 +1,59 @@
+"""The C++ CPU decode attention against its pure-torch reference."""
+
+import pytest
+import torch
+
+from splitserve_kernels import cpu
+from splitserve_kernels.reference.attention import paged_decode_attention as reference
+
+pytestmark = pytest.mark.skipif(
+    cpu.extension() is None, reason="the CPU kernels did not build (see the warning logged)"
+)
+
+
+def _case(heads, kv_heads, dtype, lens, block=4, dim=16, layers=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block) for n in lens) + 1
+    num_blocks = len(lens) * width + 2
+    cache = torch.randn(num_blocks, layers, 2, block, kv_heads, dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    return q, cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_matches_reference_fp32(heads, kv_heads, window):
+    q, cache, tables, lens = _case(heads, kv_heads, torch.float32, [1, 7, 13, 4, 16])
+    for layer in range(cache.shape[1]):
+        got = cpu.paged_decode_attention(q, cache, layer, tables, lens, 0.3, window)
+        want = reference(q, cache, layer, tables, lens, 0.3, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_half_precision(dtype):
+    q, cache, tables, lens = _case(6, 2, dtype, [3, 9, 20], dim=64)
+    got = cpu.paged_decode_attention(q, cache, 1, tables, lens, 0.125)
+    want = reference(q.float(), cache.float(), 1, tables, lens, 0.125).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_reads_only_the_tokens_of_each_sequence():
+    q, cache, tables, lens = _case(6, 2, torch.float32, [5, 2])
+    want = cpu.paged_decode_attention(q, cache, 0, tables, lens, 0.5)
+    block = cache.shape[3]
+    poisoned = torch.full_like(cache, float("nan"))
+    for row, n in zip(tables.tolist(), lens.tolist(), strict=True):
+        for p in range(n):
+            poisoned[row[p // block], :, :, p % block] = cache[row[p // block], :, :, p % block]
+    got = cpu.paged_decode_attention(q, poisoned, 0, tables, lens, 0.5)
+    torch.testing.assert_close(got, want)
+
+
+def test_falls_back_to_the_reference_when_turned_off(monkeypatch):
+    q, cache, tables, lens = _case(6, 2, torch.float32, [3, 8])
+    monkeypatch.setattr(cpu, "extension", lambda: None)
+    got = cpu.paged_decode_attention(q, cache, 2, tables, lens, 0.3)
+    torch.testing.assert_close(got, reference(q, cache, 2, tables, lens, 0.3))
