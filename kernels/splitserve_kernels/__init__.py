@@ -1,30 +1,33 @@
-"""Kernels behind one signature each, chosen per call by the tensors' device.
+"""Kernels behind one signature each: an OpenAI Triton kernel (``gpu/``) chosen per call for
+CUDA tensors, its pure-torch reference (``reference/``) everywhere else (see ``dispatch``).
+Prefill attention, KV writes and gathers use the references on every device."""
 
-CPU tensors use the C++ kernels of ``splitserve_kernels.cpu`` where they built, else the pure-torch
-references in ``splitserve_kernels.reference``.
-"""
-
-import torch
-
-from splitserve_kernels.cpu import extension as _cpu_extension
-from splitserve_kernels.cpu import paged_decode_attention
-from splitserve_kernels.reference.attention import (
-    gather_kv,
-    varlen_prefill_attention,
-    write_kv,
+from splitserve_kernels.dispatch import (
+    add_rms_norm,
+    apply_rotary,
+    copy_kv_blocks,
+    gather_kv_blocks,
+    paged_decode_attention,
+    prepare,
+    rms_norm,
+    scatter_kv_blocks,
+    triton_available,
+    uses_kernel,
 )
-
-
-def prepare(device: torch.device | str) -> None:
-    """Build or load the kernels a model on ``device`` will call, before the first request."""
-    if torch.device(device).type == "cpu":
-        _cpu_extension()
-
+from splitserve_kernels.reference.attention import gather_kv, varlen_prefill_attention, write_kv
 
 __all__ = [
+    "add_rms_norm",
+    "apply_rotary",
+    "copy_kv_blocks",
     "gather_kv",
+    "gather_kv_blocks",
     "paged_decode_attention",
     "prepare",
+    "rms_norm",
+    "scatter_kv_blocks",
+    "triton_available",
+    "uses_kernel",
     "varlen_prefill_attention",
     "write_kv",
 ]

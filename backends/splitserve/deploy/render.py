@@ -1,4 +1,10 @@
-"""Render the Triton model repository for a layout from the templates in ``model_repository/``."""
+"""Render the Triton model repository for a layout from the templates in ``model_repository/``.
+
+The same templates serve both devices: ``KIND_CPU`` instances pinned to core sets, or
+``KIND_GPU`` instances with ``gpus: [...]`` (Triton starts ``instances`` stubs on *each* listed
+GPU and tells every stub its GPU in ``model_instance_device_id``). On GPUs the engine runs on
+``cuda`` and prefill hands KV to decode over CUDA IPC.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,24 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "both": ("llm", "prefill", "llm_colocated"),
 }
 ROLE_OF = {"llm": "decode", "prefill": "prefill", "llm_colocated": "colocated"}
+GPU_TRANSPORT = "cuda_ipc"
+
+
+def parse_gpus(spec: str) -> tuple[int, ...]:
+    """``"0"``, ``"0,1"`` or ``"0-3"`` -> sorted distinct GPU ids."""
+    ids: set[int] = set()
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = item.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"cannot read GPU ids {spec!r} (e.g. '0', '0,1' or '0-3')") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad GPU range {item!r} in {spec!r}")
+        ids.update(range(first, last + 1))
+    if not ids:
+        raise ValueError(f"no GPU ids in {spec!r}")
+    return tuple(sorted(ids))
 
 
 def templates_dir() -> Path:
@@ -31,7 +55,14 @@ class RoleSpec:
     cpu_cores: str = ""
     """Per-instance core sets, ``;``-separated (see ServingConfig.cpu_cores)."""
     gpus: tuple[int, ...] = ()
+    """GPU ids (device ``gpu``); ``instances`` instances run on each of them."""
     params: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.instances <= 0:
+            raise ValueError("instances must be positive")
+        if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
+            raise ValueError(f"GPU ids must be distinct and non-negative, got {list(self.gpus)}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +82,13 @@ class Layout:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        for model in LAYOUTS[self.layout]:
+            role = ROLE_OF[model]
+            gpus = self.role(role).gpus
+            if self.device == "gpu" and not gpus:
+                raise ValueError(f"device 'gpu' needs GPU ids for the {role} role")
+            if self.device == "cpu" and gpus:
+                raise ValueError(f"the {role} role lists GPUs {list(gpus)} but device is 'cpu'")
 
     def role(self, name: str) -> RoleSpec:
         return getattr(self, name)
@@ -71,6 +109,41 @@ def default_cpu_layout(layout: str, engine: dict[str, str], cores: int | None = 
     )
 
 
+def default_gpu_layout(
+    layout: str,
+    engine: dict[str, str],
+    prefill_gpus: tuple[int, ...] = (0,),
+    decode_gpus: tuple[int, ...] = (0,),
+    colocated_gpus: tuple[int, ...] | None = None,
+) -> Layout:
+    """One instance per listed GPU and role; ``llm_colocated`` defaults to every GPU used.
+
+    Prefill and decode may share a GPU (two processes, KV still handed over by IPC)."""
+    colocated = colocated_gpus or tuple(sorted({*prefill_gpus, *decode_gpus}))
+    return Layout(
+        layout=layout,
+        device="gpu",
+        engine=engine,
+        prefill=RoleSpec(gpus=prefill_gpus),
+        decode=RoleSpec(gpus=decode_gpus),
+        colocated=RoleSpec(gpus=colocated),
+    )
+
+
+def model_values(layout: Layout, model: str) -> dict[str, str]:
+    """The ``parameters`` of one model's config: engine fields, role params, placement."""
+    role = ROLE_OF[model]
+    spec = layout.role(role)
+    values = {**layout.engine, **spec.params}
+    if layout.device == "gpu":
+        values["device"] = "cuda"
+        if role in ("prefill", "decode"):
+            values.setdefault("transport", GPU_TRANSPORT)
+    elif spec.cpu_cores:
+        values["cpu_cores"] = spec.cpu_cores
+    return values
+
+
 def _parameters(values: dict[str, str]) -> str:
     rows = [
         f'  {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in sorted(values.items())
@@ -85,11 +158,7 @@ def render(layout: Layout, out_dir: Path, templates: Path | None = None) -> Path
     out_dir.mkdir(parents=True, exist_ok=True)
     for model in LAYOUTS[layout.layout]:
         spec = layout.role(ROLE_OF[model])
-        values = {**layout.engine, **spec.params}
-        if spec.cpu_cores and layout.device == "cpu":
-            values["cpu_cores"] = spec.cpu_cores
-        if layout.device == "gpu":
-            values["device"] = "cuda"
+        values = model_values(layout, model)
         gpus = f" gpus: [ {', '.join(map(str, spec.gpus))} ]" if spec.gpus else ""
         text = Template((src / model / "config.pbtxt.tmpl").read_text()).substitute(
             generate_io=generate_io.strip(),

@@ -8,6 +8,7 @@ from typing import Any
 from splitserve.transport.base import KVTransport
 
 _TRANSPORTS = {
+    "cuda_ipc": ("splitserve.transport.cuda_ipc", "CudaIpcTransport"),
     "shm": ("splitserve.transport.shm", "ShmTransport"),
 }
 

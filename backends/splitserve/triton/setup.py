@@ -1,4 +1,5 @@
-"""What every Splitserve model does in ``initialize``: read its config, pin cores, log."""
+"""What every Splitserve model does in ``initialize``: read its config, pick its GPU or pin its
+cores, log."""
 
 from __future__ import annotations
 
@@ -17,12 +18,30 @@ def setup_instance(args: dict[str, Any], role: str) -> ServingConfig:
     )
     params = model_parameters(json.loads(args["model_config"]))
     cfg = ServingConfig.from_parameters({**params, "role": role})
+    log = logging.getLogger("splitserve")
+    name = args["model_instance_name"]
+    if cfg.engine.device.startswith("cuda"):
+        import torch  # the stub imports torch anyway; here it only has to pick the device
+
+        # Before anything is placed on "cuda": the pool, the model and the IPC exports all use
+        # the current device, which must be the one Triton gave this instance.
+        gpu = int(args["model_instance_device_id"])
+        torch.cuda.set_device(gpu)
+        log.info(
+            "%s instance %s: model=%s dtype=%s gpu=%d",
+            role,
+            name,
+            cfg.engine.model,
+            cfg.engine.dtype,
+            gpu,
+        )
+        return cfg
     cores = cfg.cores_for(instance_index(args))
     pin_to_cores(cores, cfg.engine.num_threads)
-    logging.getLogger("splitserve").info(
+    log.info(
         "%s instance %s: model=%s dtype=%s cores=%s",
         role,
-        args["model_instance_name"],
+        name,
         cfg.engine.model,
         cfg.engine.dtype,
         sorted(cores or []),

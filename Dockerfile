@@ -1,0 +1,26 @@
+# Splitserve on GPUs: KIND_GPU instances, KV cache handed from prefill to decode over CUDA IPC.
+# Build: docker build -t splitserve .   Run: see docs/gpu.md.
+#
+# Pinned to NGC 25.01 (Triton 2.54), not the 24.10 (Triton 2.51) that the CPU tests run through
+# the nvidia-pytriton wheel: releases after 24.10 fix the cancellation of BLS child requests and
+# deadlocks of decoupled BLS calls that return GPU tensors. Splitserve keeps every BLS tensor on
+# the CPU anyway; re-run scripts/gpu_check.sh in the image when changing this tag.
+FROM nvcr.io/nvidia/tritonserver:25.01-py3
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PYTHONUNBUFFERED=1 \
+    SPLITSERVE_TEMPLATES=/opt/splitserve/model_repository
+
+WORKDIR /opt/splitserve
+COPY pyproject.toml README.md ./
+COPY backends backends
+COPY client client
+COPY kernels kernels
+COPY model_repository model_repository
+# CUDA 12 builds of torch (with its triton) and cuda-python, matching the image's CUDA 12.
+RUN pip install "torch==2.7.1" "cuda-python>=12.6,<13" && pip install ".[gpu,client]"
+
+EXPOSE 8000 8001 8002
+ENTRYPOINT ["splitserve", "serve"]
+CMD ["--device", "gpu", "--model", "tiny", "--layout", "disagg"]

@@ -1,0 +1,87 @@
+"""One entry per op: the OpenAI Triton kernel for CUDA tensors, the C++ kernel of ``cpu/`` for CPU
+tensors where one exists, the pure-torch reference elsewhere (no ``triton`` installed, a CPU
+kernel that did not build, or ``SPLITSERVE_KERNELS=reference``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from splitserve_kernels import cpu
+from splitserve_kernels.reference import blocks, norm, rope
+
+FORCE_ENV = "SPLITSERVE_KERNELS"
+"""``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
+
+
+@functools.cache
+def triton_available() -> bool:
+    return (
+        os.environ.get(FORCE_ENV) != "reference" and importlib.util.find_spec("triton") is not None
+    )
+
+
+@functools.cache
+def _gpu(name: str) -> ModuleType:
+    return importlib.import_module(f"splitserve_kernels.gpu.{name}")
+
+
+def uses_kernel(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` run the Triton kernel rather than the reference."""
+    return t.is_cuda and triton_available()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    impl = _gpu("attention") if uses_kernel(q) else cpu
+    return impl.paged_decode_attention(
+        q, cache, layer, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def prepare(device: torch.device | str) -> None:
+    """Build or load the kernels a model on ``device`` calls, before its first request."""
+    if torch.device(device).type == "cpu":
+        cpu.extension()
+
+
+def copy_kv_blocks(
+    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    impl = _gpu("blocks") if uses_kernel(dst) and src.device == dst.device else blocks
+    impl.copy_kv_blocks(src, src_ids, dst, dst_ids)
+
+
+def gather_kv_blocks(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return (_gpu("blocks") if uses_kernel(pool) else blocks).gather_kv_blocks(pool, ids)
+
+
+def scatter_kv_blocks(pool: torch.Tensor, ids: torch.Tensor, data: torch.Tensor) -> None:
+    impl = _gpu("blocks") if uses_kernel(pool) and data.device == pool.device else blocks
+    impl.scatter_kv_blocks(pool, ids, data)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (_gpu("norm") if uses_kernel(x) else norm).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_gpu("norm") if uses_kernel(x) else norm).add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return (_gpu("rope") if uses_kernel(x) else rope).apply_rotary(x, cos, sin)
