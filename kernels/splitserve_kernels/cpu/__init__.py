@@ -2,7 +2,7 @@
 
 The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) and reused by every later process; a source change rebuilds it.
-``SPLITSERVE_CPU_KERNELS=0`` turns the kernels off. Where the build fails, each entry point falls
+``SPLITSERVE_KERNELS=reference`` turns them off. Where the build fails, each entry point falls
 back to its pure-torch reference with one warning.
 """
 
@@ -25,7 +25,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def enabled() -> bool:
-    return os.environ.get("SPLITSERVE_CPU_KERNELS", "1") != "0"
+    return os.environ.get("SPLITSERVE_KERNELS") != "reference"
 
 
 @functools.cache

@@ -1,8 +1,7 @@
 // Decode attention read straight from the block-major paged KV cache, for CPUs.
 //
-// One query token per sequence. Work items are (sequence, kv head) pairs; each reads the keys
-// and values of its head once, block by block, and serves the query heads grouped on that kv head
-// (GQA/MQA). Scores go to a per-item buffer, then softmax, then one pass over the values. This
+// One query token per sequence. Work items are sequences; each reads its keys and values once,
+// token row by token row, and serves the query heads grouped on each kv head (GQA/MQA). Scores go to a per-item buffer, then softmax, then one pass over the values. This
 // reads the cache exactly once, with no gathered copy and no repeated kv heads; the pure-torch
 // reference is splitserve_kernels.reference.attention.paged_decode_attention.
 #include <torch/extension.h>
@@ -10,10 +9,27 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
+
+// Loads one element as float. bfloat16 widens by a shift of its bits, which the compiler
+// vectorizes; c10's conversion operator does not.
+template <typename scalar_t>
+inline float load(const scalar_t* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+template <>
+inline float load<c10::BFloat16>(const c10::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
 
 template <typename scalar_t>
 void decode_kernel(
@@ -23,74 +39,69 @@ void decode_kernel(
     int64_t window) {
   const int64_t group = heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;
-  const int64_t half_stride = block_size * token_stride;   // K or V of one block and layer
-  const int64_t block_stride = layers * 2 * half_stride;   // one block, all layers
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim);
-    std::vector<float> acc(group * dim);
+  const int64_t half_stride = block_size * token_stride;  // K or V of one block and layer
+  const int64_t block_stride = layers * 2 * half_stride;  // one block, all layers
+  // One work item per sequence: each token's keys (and values) of all heads are one contiguous
+  // row, read front to back.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim);
+    std::vector<float> acc(heads * dim);
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads;
-      const int64_t kh = item % kv_heads;
+    for (int64_t b = begin; b < end; ++b) {
       const int64_t len = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       if (n <= 0) {
         continue;
       }
-      for (int64_t j = 0; j < group; ++j) {
-        const scalar_t* qh = q + (b * heads + kh * group + j) * dim;
-        for (int64_t x = 0; x < dim; ++x) {
-          qf[j * dim + x] = static_cast<float>(qh[x]) * scale;
-        }
+      for (int64_t i = 0; i < heads * dim; ++i) {
+        qf[i] = load(q + b * heads * dim, i) * scale;
       }
-      scores.assign(group * n, 0.0f);
+      scores.assign(heads * n, 0.0f);
       const int64_t* table = tables + b * max_blocks;
       for (int64_t t = first; t < len; ++t) {
-        const scalar_t* k = cache + table[t / block_size] * block_stride +
-                            layer * 2 * half_stride + (t % block_size) * token_stride + kh * dim;
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = qf.data() + j * dim;
+        const scalar_t* row = cache + table[t / block_size] * block_stride +
+                              layer * 2 * half_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* k = row + (h / group) * dim;
+          const float* qh = qf.data() + h * dim;
           float s = 0.0f;
 #pragma omp simd reduction(+ : s)
           for (int64_t x = 0; x < dim; ++x) {
-            s += qj[x] * static_cast<float>(k[x]);
+            s += qh[x] * load(k, x);
           }
-          scores[j * n + (t - first)] = s;
+          scores[h * n + (t - first)] = s;
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * n;
-        const float top = *std::max_element(sj, sj + n);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sh = scores.data() + h * n;
+        const float top = *std::max_element(sh, sh + n);
         float total = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
-          sj[i] = std::exp(sj[i] - top);
-          total += sj[i];
+          sh[i] = std::exp(sh[i] - top);
+          total += sh[i];
         }
         const float inv = 1.0f / total;
         for (int64_t i = 0; i < n; ++i) {
-          sj[i] *= inv;
+          sh[i] *= inv;
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = first; t < len; ++t) {
-        const scalar_t* v = cache + table[t / block_size] * block_stride +
-                            (layer * 2 + 1) * half_stride + (t % block_size) * token_stride +
-                            kh * dim;
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * n + (t - first)];
-          float* aj = acc.data() + j * dim;
+        const scalar_t* row = cache + table[t / block_size] * block_stride +
+                              (layer * 2 + 1) * half_stride + (t % block_size) * token_stride;
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* v = row + (h / group) * dim;
+          const float p = scores[h * n + (t - first)];
+          float* ah = acc.data() + h * dim;
 #pragma omp simd
           for (int64_t x = 0; x < dim; ++x) {
-            aj[x] += p * static_cast<float>(v[x]);
+            ah[x] += p * load(v, x);
           }
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        scalar_t* oh = out + (b * heads + kh * group + j) * dim;
-        for (int64_t x = 0; x < dim; ++x) {
-          oh[x] = static_cast<scalar_t>(acc[j * dim + x]);
-        }
+      for (int64_t i = 0; i < heads * dim; ++i) {
+        out[b * heads * dim + i] = static_cast<scalar_t>(acc[i]);
       }
     }
   });
