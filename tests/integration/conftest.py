@@ -21,13 +21,14 @@ from splitserve.deploy.launcher import (
     libpython_dir,
     live_group_members,
 )
-from splitserve.deploy.render import default_cpu_layout, render
+from splitserve.deploy.render import Layout, default_cpu_layout, render
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.random_checkpoint import write_random_checkpoint
+from splitserve.transport.key import generate_key, key_environ
 
 TOY_REPO = Path(__file__).resolve().parent / "toy_repo"
 START_TIMEOUT_S = 60.0
-KV_SEGMENT = re.compile(r"/dev/shm/splitserve-[0-9a-f]+")
+KV_SEGMENT = re.compile(r"/dev/shm/splitserve-[0-9]+-[0-9]+-[0-9a-f]+")
 
 ServerFactory = Callable[[Path], TritonServer]
 
@@ -101,8 +102,17 @@ def serve_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def handle_key() -> bytes:
+    """The session server's handle key, known to tests that play ``llm`` towards ``prefill``."""
+    return generate_key()
+
+
+@pytest.fixture(scope="session")
 def splitserve_server(
-    triton_install: TritonInstall, serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+    triton_install: TritonInstall,
+    serve_ckpt: Path,
+    handle_key: bytes,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[TritonServer]:
     """One server for the session: ``llm`` + ``prefill`` + ``llm_colocated`` (layout "both").
 
@@ -122,6 +132,7 @@ def splitserve_server(
         backend_config={"python": {"thread-pool-size": 64}},
         workdir=tmp_path_factory.mktemp("triton-splitserve"),
         install=triton_install,
+        env=key_environ(handle_key),
     )
     server.start(START_TIMEOUT_S)
     try:
@@ -134,6 +145,33 @@ def splitserve_server(
     log = server.log_path
     assert log is not None
     assert "Traceback" not in log.read_text(errors="replace"), f"a model logged an exception: {log}"
+
+
+@pytest.fixture
+def start_splitserve(
+    triton_install: TritonInstall, tmp_path: Path
+) -> Iterator[Callable[[Layout], TritonServer]]:
+    """Factory of servers of this test only, on the built-in tiny model; stopped at teardown."""
+    started: list[TritonServer] = []
+
+    def start(layout: Layout) -> TritonServer:
+        n = len(started)
+        http_port, grpc_port, metrics_port = free_ports(3)
+        server = TritonServer(
+            render(layout, tmp_path / f"repo{n}"),
+            http_port=http_port,
+            grpc_port=grpc_port,
+            metrics_port=metrics_port,
+            backend_config={"python": {"thread-pool-size": 64}},
+            workdir=tmp_path / f"triton{n}",
+            install=triton_install,
+        )
+        started.append(server)
+        return server.start(START_TIMEOUT_S)
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 def kv_segments(server: TritonServer) -> set[Path]:

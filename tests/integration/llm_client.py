@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import queue
 import re
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -17,7 +19,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from splitserve.deploy.launcher import TritonServer
+from splitserve.deploy.launcher import TritonServer, stub_instances
+from splitserve.transport import cleanup
 
 Event = tuple[grpcclient.InferResult | None, InferenceServerException | None]
 Tensors = Mapping[str, tuple[np.ndarray, str]]
@@ -223,3 +226,26 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
         if time.monotonic() > deadline:
             return False
         time.sleep(interval_s)
+
+
+def samples(server: TritonServer) -> list[tuple[str, dict[str, str], float]]:
+    """Every ``splitserve_*`` sample on the metrics port: (name, labels, value)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    return [
+        (name, dict(LABEL.findall(labels)), float(value))
+        for name, labels, value in GAUGE_LINE.findall(text)
+    ]
+
+
+def stub_pid(server: TritonServer, instance: str) -> int:
+    """Pid of the Python backend stub serving ``instance`` (e.g. ``llm_0_0``)."""
+    assert server.pid is not None
+    return stub_instances(server.pid)[instance]
+
+
+def owned_files(pids: list[int]) -> list[Path]:
+    """KV segments and release sockets made by the processes ``pids`` (see transport.cleanup)."""
+    dirs = (Path("/dev/shm"), Path(tempfile.gettempdir()))
+    owners = [cleanup.owned_name("*", pid=pid) for pid in pids]
+    return [path for owner in owners for d in dirs for path in d.glob(owner)]

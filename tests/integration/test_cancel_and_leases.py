@@ -1,5 +1,6 @@
-"""Client cancellation frees every KV block; ``prefill`` called directly refuses garbage, and a
-lease nobody pulls is freed after expiry. Block and lease counts come from the metrics port."""
+"""Client cancellation frees every KV block; ``prefill`` called directly refuses anyone without
+the server's key and garbage, and a lease nobody pulls is freed after expiry. Block and lease
+counts come from the metrics port."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from tritonclient.utils import InferenceServerException
 
 from splitserve.config import EngineConfig
 from splitserve.deploy.launcher import TritonServer
+from splitserve.serving import handoff
+from splitserve.transport.key import generate_key
 
 pytestmark = pytest.mark.triton
 
@@ -127,27 +130,59 @@ GARBAGE: dict[str, tuple[list[grpcclient.InferInput], tuple[str, ...]]] = {
 }
 
 
-def test_prefill_refuses_garbage_without_leasing_blocks(splitserve_server: TritonServer) -> None:
+def auth(key: bytes, request_id: str = "direct") -> dict[str, str]:
+    """The request parameters ``llm`` sends with a call to ``prefill``."""
+    return {handoff.AUTH: handoff.auth_tag(key, request_id)}
+
+
+def test_prefill_refuses_garbage_without_leasing_blocks(
+    splitserve_server: TritonServer, handle_key: bytes
+) -> None:
     assert wait_for(lambda: is_idle(splitserve_server), IDLE_S), gauges(splitserve_server)
     with grpcclient.InferenceServerClient(splitserve_server.grpc_url) as client:
         for case, (inputs, words) in GARBAGE.items():
             with pytest.raises(InferenceServerException) as info:
-                client.infer("prefill", inputs)
+                client.infer("prefill", inputs, parameters=auth(handle_key))
             assert info.value.status() == "StatusCode.INVALID_ARGUMENT", (case, info.value)
             message = info.value.message()
             assert all(word in message for word in words), (case, message)
     assert is_idle(splitserve_server), gauges(splitserve_server)
 
 
+@pytest.mark.parametrize(
+    "parameters",
+    [None, {handoff.AUTH: "00" * 32}, {handoff.AUTH: 7}, "other-request", "other-key"],
+    ids=["none", "forged", "not-a-string", "other-request", "other-key"],
+)
+def test_prefill_called_without_llms_key_gives_nothing(
+    splitserve_server: TritonServer, handle_key: bytes, parameters: object
+) -> None:
+    if parameters == "other-request":
+        parameters = auth(handle_key, "another")
+    elif parameters == "other-key":
+        parameters = auth(generate_key())
+    assert wait_for(lambda: is_idle(splitserve_server), IDLE_S), gauges(splitserve_server)
+    with (
+        grpcclient.InferenceServerClient(splitserve_server.grpc_url) as client,
+        pytest.raises(InferenceServerException) as info,
+    ):
+        client.infer("prefill", prefill_inputs(IDS, GREEDY_ONE), parameters=parameters)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+    assert "prefill is internal" in info.value.message()
+    assert is_idle(splitserve_server), gauges(splitserve_server)
+
+
 def test_unpulled_lease_is_freed_after_expiry(
-    splitserve_server: TritonServer, greedy_reference: ReferenceFactory
+    splitserve_server: TritonServer, greedy_reference: ReferenceFactory, handle_key: bytes
 ) -> None:
     assert wait_for(lambda: is_idle(splitserve_server), IDLE_S), gauges(splitserve_server)
     ref = greedy_reference("The old lighthouse keeper", 1, True)
     ids = np.array([ref.prompt_ids], np.int64)
     sent = time.monotonic()
     with grpcclient.InferenceServerClient(splitserve_server.grpc_url) as client:
-        result = client.infer("prefill", prefill_inputs(ids, GREEDY_ONE))
+        result = client.infer(
+            "prefill", prefill_inputs(ids, GREEDY_ONE), parameters=auth(handle_key)
+        )
     assert result.as_numpy("first_token").reshape(-1).tolist() == ref.token_ids
     handle = result.as_numpy("kv_handle")
     assert handle.dtype == np.uint8 and handle.size > 0
@@ -161,3 +196,18 @@ def test_unpulled_lease_is_freed_after_expiry(
     assert wait_for(lambda: prefill_gauges() == (1, blocks), LEASE_TTL_S / 2), prefill_gauges()
     assert wait_for(lambda: prefill_gauges() == (0, 0), LEASE_TTL_S + 3.0), prefill_gauges()
     assert time.monotonic() - sent >= LEASE_TTL_S * 0.9, "the lease ended before it expired"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_no_public_input_takes_a_handle(
+    splitserve_server: TritonServer, handle_key: bytes, model: str
+) -> None:
+    """Even a genuine handle gets a client nothing: no input of ``llm`` accepts one."""
+    with grpcclient.InferenceServerClient(splitserve_server.grpc_url) as client:
+        inputs = prefill_inputs(np.array([[1, 450, 9]], np.int64), GREEDY_ONE)
+        handle = client.infer("prefill", inputs, parameters=auth(handle_key)).as_numpy("kv_handle")
+    as_tensor = {"kv_handle": (handle, "UINT8")}
+    as_json = {"kv_handle": handle.reshape(-1).tolist()}
+    with GrpcStream(splitserve_server.grpc_url) as stream:
+        assert "kv_handle" in stream.error_of(model, generate_inputs("hi", tensors=as_tensor))
+        assert "kv_handle" in stream.error_of(model, generate_inputs("hi", sampling=as_json))

@@ -2,6 +2,7 @@
 
 import os
 import stat
+import struct
 import time
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ import zmq
 from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
-from splitserve.transport import available_transports, get_transport
+from splitserve.transport import available_transports, cleanup, get_transport
 from splitserve.transport.bench import bench_handoff
 from splitserve.transport.channel import RELEASE, encode_message
 from splitserve.transport.handoff import contiguous_runs
@@ -52,7 +53,7 @@ def reader():
 
 
 def test_registry():
-    assert available_transports() == ["shm"]
+    assert available_transports() == ["cuda_ipc", "shm"]
     with get_transport("shm", key=KEY) as transport:
         assert isinstance(transport, ShmTransport)
     with pytest.raises(ValueError, match="unknown KV transport"):
@@ -107,6 +108,9 @@ def test_bad_handles_are_rejected_before_reading(owner, reader):
     forged = bytearray(handle)
     forged[-40] ^= 0xFF
     _rejected(rd, dst, bytes(forged), [0, 1], "MAC")
+    other_blocks = bytearray(handle)
+    other_blocks[-32 - 8 : -32] = struct.pack("<2I", 10, 11)
+    _rejected(rd, dst, bytes(other_blocks), [0, 1], "MAC")
     _rejected(rd, dst, encode_handle(h, generate_key()), [0, 1], "MAC")
     _rejected(rd, dst, encode_handle(replace(h, expiry=time.time() - 1), KEY), [0, 1], "expired")
     _rejected(rd, dst, encode_handle(replace(h, expiry=time.time() + 0.5), KEY), [0, 1], "expired")
@@ -171,7 +175,10 @@ def test_files_are_private_and_removed_on_close(reader):
     own.register(pool)
     handle = own.export("req", pool.allocator.allocate(1), 1)
     h = decode_handle(handle, KEY)
-    segment = f"/dev/shm/splitserve-{h.pool_id.hex()}"
+    owner = f"splitserve-{cleanup.pid_namespace()}-{os.getpid()}-"
+    segment = f"/dev/shm/{owner}{h.pool_id.hex()}"
+    assert str(own.segment_path) == segment
+    assert os.path.basename(h.owner).startswith(owner)
     socket = h.owner.removeprefix("ipc://")
     for path in (segment, socket):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -139,6 +139,30 @@ def test_sigterm_removes_segment_and_socket():
     assert not any(os.path.exists(p) for p in paths)
 
 
+def test_files_of_a_sigkilled_owner_are_swept_by_the_next_one(tmp_path):
+    cmd = [sys.executable, "-c", _OWNER_SCRIPT]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        paths = proc.stdout.readline().split()
+        assert all(f"splitserve-{cleanup.pid_namespace()}-{proc.pid}-" in p for p in paths)
+        proc.kill()
+        proc.wait(30)
+    assert all(os.path.exists(p) for p in paths)
+    with ShmTransport(bytes(32)) as t:
+        t.register(t.create_pool(KVLayout(1, 1, 4, 4), 2))
+        assert not any(os.path.exists(p) for p in paths)
+    namespace = cleanup.pid_namespace()
+    kept = [
+        tmp_path / f"splitserve-{namespace}-{os.getpid()}-ab",
+        tmp_path / f"splitserve-{namespace + 1}-{proc.pid}-ab",
+        tmp_path / "splitserve-cd.sock",
+    ]
+    dead = tmp_path / f"splitserve-{namespace}-{proc.pid}-ef.sock"
+    for path in [*kept, dead]:
+        path.touch()
+    assert cleanup.sweep_dead_owners(tmp_path) == [dead]
+    assert all(path.exists() for path in kept)
+
+
 def test_forked_child_leaves_the_parents_files_alone(owner):
     own, _ = owner
     pid = os.fork()

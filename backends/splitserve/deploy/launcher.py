@@ -13,6 +13,7 @@ import http.client
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -28,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from splitserve.serving.drain import DRAIN_ENV
+from splitserve.transport.cleanup import sweep_dead_owners
 from splitserve.transport.key import generate_key, key_environ
 
 LOGGER = logging.getLogger(__name__)
@@ -36,6 +39,13 @@ NGC_ROOT = Path("/opt/tritonserver")
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+STUB_INSTANCE_ARG = 8
+OPENMP_SHM = "__KMP_REGISTERED_LIB_{pid}_*"
+DRAIN_TIMEOUT_S = 5.0
+ACTIVE_REQUESTS = re.compile(
+    r"^splitserve_(?:requests_active|queue_depth)\{[^}]*\} (?!0(\.0)?$)", re.M
+)
+"""A metrics line of an instance with active requests."""
 LOG_TAIL_BYTES = 8192
 PR_SET_PDEATHSIG = 1
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
@@ -152,6 +162,29 @@ def stub_shm_regions(pids: list[int]) -> list[Path]:
     return regions
 
 
+def openmp_registrations(pids: list[int]) -> list[Path]:
+    """The ``/dev/shm`` files the OpenMP runtime of torch registers per process among ``pids``;
+    a process killed with SIGKILL leaves its own behind."""
+    return [path for pid in pids for path in Path("/dev/shm").glob(OPENMP_SHM.format(pid=pid))]
+
+
+def stub_instances(pgid: int) -> dict[str, int]:
+    """Instance name (``llm_0_0``) -> pid of each live Python backend stub in group ``pgid``.
+
+    The stub's command line is: binary, model.py, shm region, shm sizes (2), server pid,
+    backend directory, IPC control handle, instance name, runtime.
+    """
+    stubs = {}
+    for pid in live_group_members(pgid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > STUB_INSTANCE_ARG and argv[0].endswith(STUB_NAME):
+            stubs[argv[STUB_INSTANCE_ARG]] = pid
+    return stubs
+
+
 def live_group_members(pgid: int) -> list[int]:
     """Pids of the non-zombie processes in process group `pgid` (Linux /proc)."""
     members = []
@@ -212,6 +245,8 @@ class TritonServer:
         self._log_file: Path | None = None
         self._log: IO[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stub_regions: set[Path] = set()
+        self._drain_file: Path | None = None
 
     @property
     def _client_host(self) -> str:
@@ -283,10 +318,17 @@ class TritonServer:
         cmd = self.command(backend_dir)
         LOGGER.info("starting %s", " ".join(cmd))
         self._log = self._log_file.open("wb")
+        self._drain_file = self._workdir / "drain"
+        self._drain_file.unlink(missing_ok=True)
         started = time.monotonic()
         self._proc = subprocess.Popen(
             cmd,
-            env={**server_env(self.install), **key_environ(generate_key()), **self.env},
+            env={
+                **server_env(self.install),
+                **key_environ(generate_key()),
+                DRAIN_ENV: str(self._drain_file),
+                **self.env,
+            },
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -298,6 +340,9 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+        # Remembered now: a stub killed while serving takes its region's name with it.
+        members = live_group_members(self._proc.pid)
+        self._stub_regions = set(stub_shm_regions(members)).union(openmp_registrations(members))
         LOGGER.info("tritonserver ready in %.1f s (pid %d)", time.monotonic() - started, self.pid)
         return self
 
@@ -329,8 +374,10 @@ class TritonServer:
         if proc is None:
             return
         wait_s = self.exit_timeout_s + 5.0 if timeout_s is None else timeout_s
-        regions = stub_shm_regions(live_group_members(proc.pid))
+        members = live_group_members(proc.pid)
+        regions = self._stub_regions.union(stub_shm_regions(members), openmp_registrations(members))
         if proc.poll() is None:
+            self._drain()
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=wait_s)
@@ -338,10 +385,14 @@ class TritonServer:
                 LOGGER.warning("tritonserver pid %d ignored SIGTERM for %.1f s", proc.pid, wait_s)
         self._kill_group(proc.pid)
         proc.wait()
-        for region in regions:
+        for region in sorted(regions):
             if region.exists():
                 LOGGER.warning("removing leaked shared memory %s", region)
                 region.unlink(missing_ok=True)
+        for directory in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+            for path in sweep_dead_owners(directory):
+                LOGGER.warning("removed %s, left by a killed model instance", path)
+        self._stub_regions = set()
         LOGGER.info("tritonserver pid %d exited with code %d", proc.pid, proc.returncode)
         self._proc = None
         if self._log is not None:
@@ -353,6 +404,24 @@ class TritonServer:
             else:
                 LOGGER.warning("keeping %s for inspection", self._workdir)
             self._workdir = None
+
+    def _drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Ask the model instances to end their streams (``serving.drain``) and wait until the
+        metrics show no active request: Triton stops a decoupled model only once it has none."""
+        if self._drain_file is None:
+            return
+        self._drain_file.touch()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=1.0) as response:
+                    text = response.read().decode()
+            except (OSError, http.client.HTTPException):
+                return
+            if not ACTIVE_REQUESTS.search(text):
+                return
+            time.sleep(0.05)
+        LOGGER.warning("model instances still had active requests after %.1f s", timeout_s)
 
     @staticmethod
     def _kill_group(pgid: int) -> None:

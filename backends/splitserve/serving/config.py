@@ -31,6 +31,9 @@ class ServingConfig:
     cancel_poll_s: float = 0.1
     """How often the engine loop asks Triton whether clients cancelled (an IPC per request)."""
     metrics_interval_s: float = 0.1
+    max_queue: int = 1024
+    """Requests an ``llm``/``llm_colocated`` instance holds beyond its running batch (waiting
+    for prefill, KV blocks or a batch slot); more are refused with UNAVAILABLE. 0: no bound."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -38,6 +41,8 @@ class ServingConfig:
         for name in ("lease_ttl_s", "default_max_tokens", "prefill_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0 (0: no bound)")
         parse_core_sets(self.cpu_cores)
 
     @classmethod

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kv.handle import mac
 from splitserve.transport.base import KVTransport
 
 # prefill inputs
@@ -17,7 +19,11 @@ REQUEST_ID = "request_id"
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
 
+# request parameter of every call to prefill
+AUTH = "splitserve_auth"
+
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_AUTH_DOMAIN = b"splitserve prefill request\0"
 
 POOL_FULL = "prefill KV pool is full"
 """Prefix of the error prefill returns when a prompt does not fit now; ``llm`` retries."""
@@ -39,6 +45,26 @@ def params_from_json(data: bytes) -> SamplingParams:
     if unknown:
         raise ValueError(f"{PARAMS} has unknown keys {unknown}")
     return SamplingParams(**obj)
+
+
+def auth_tag(key: bytes, request_id: str) -> str:
+    """What ``llm`` sends in the ``AUTH`` parameter: proof that the caller holds the handle key
+    of this server start, bound to the request id."""
+    return mac(key, _AUTH_DOMAIN + request_id.encode()).hex()
+
+
+def check_auth(key: bytes, request_id: str, parameters: str) -> None:
+    """Raise ValueError unless the request's parameters (JSON) carry ``auth_tag``: ``prefill``
+    is internal, and a client calling it directly must get nothing, not even a lease."""
+    try:
+        tag = json.loads(parameters or "{}").get(AUTH)
+    except (ValueError, AttributeError):
+        tag = None
+    if not isinstance(tag, str) or not hmac.compare_digest(tag, auth_tag(key, request_id)):
+        raise ValueError(
+            "prefill is internal to the server: call 'llm' (requests to 'prefill' must come "
+            "from it)"
+        )
 
 
 class TransportSource:

@@ -53,6 +53,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
+        self._draining: str | None = None
         self.num_steps = 0
 
     def start(self) -> None:
@@ -66,6 +67,15 @@ class EngineLoop:
     @property
     def num_active(self) -> int:
         return len(self._sinks)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining is not None
+
+    def drain(self, message: str) -> None:
+        """End every request, running or submitted from now on, with ``unavailable``."""
+        self._draining = message
+        self._inbox.put(None)
 
     def add_request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink
@@ -132,6 +142,8 @@ class EngineLoop:
         last_poll = time.monotonic()
         while not self._stopped:
             self._drain(block=not self.engine.has_unfinished())
+            if self._draining is not None:
+                self._fail_all(self._draining, "unavailable")
             if time.monotonic() - last_poll >= self.cancel_poll_s:
                 self._poll_cancelled()
                 last_poll = time.monotonic()

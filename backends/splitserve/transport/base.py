@@ -64,7 +64,8 @@ class KVTransport(ABC):
 
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: leases outstanding, released, expired, rejected messages."""
+        """Counters for metrics: leases outstanding, granted, released, expired, rejected
+        messages; on the reading side ``fetches``, ``fetched_bytes`` and ``fetch_ns``."""
 
     @abstractmethod
     def close(self) -> None:

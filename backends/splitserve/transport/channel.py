@@ -1,7 +1,8 @@
 """Release channel: readers tell an owner which leases they are pulling and which are free.
 
 Readers PUSH (one socket per owner address, cached) to a PULL socket the owner binds at
-``ipc://<dir>/splitserve-<random>.sock`` (mode 0600, removed on close). A message is::
+``ipc://<dir>/splitserve-<pid ns>-<pid>-<random>.sock`` (mode 0600, removed on close; a killed
+owner's is swept by the next listener, see ``cleanup``). A message is::
 
     b"SSRM" | kind (u8: 1 pull, 2 release) | pool id (16) | lease id (16) | HMAC-SHA256 (32)
 
@@ -23,6 +24,7 @@ import zmq
 
 from splitserve.kv.handle import MAC_SIZE, mac
 from splitserve.kv.lease import LeaseTable
+from splitserve.transport import cleanup
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,9 @@ class ReleaseListener:
         self._pool_id = pool_id
         self._leases = leases
         self._interval_ms = max(1, round(sweep_interval_s * 1000))
-        self.path = Path(socket_dir) / f"splitserve-{secrets.token_hex(8)}.sock"
+        for stale in cleanup.sweep_dead_owners(socket_dir):
+            log.warning("removed %s, left by a process that was killed", stale)
+        self.path = Path(socket_dir) / cleanup.owned_name(secrets.token_hex(8), ".sock")
         self.address = f"ipc://{self.path}"
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -1,10 +1,15 @@
 """Removal of shm segments and socket files when a process ends without closing its transports.
 
-At interpreter exit every live transport is closed. On SIGTERM (Triton stopping a stub, a
-launcher's kill) the tracked files are unlinked and the signal is re-raised with its default
-action; the handler is installed only from the main thread and only over the default action.
-A forked child forgets what its parent tracks. SIGKILL leaves files behind: their names start
-with ``splitserve-``.
+At interpreter exit every live transport is closed. On SIGTERM the tracked files are unlinked and
+the signal is re-raised with its default action; the handler is installed only from the main
+thread and only over the default action. (Inside a Triton stub the main thread waits in C++, so
+a Python handler never runs there: stubs clean up in ``finalize`` and at exit.) A forked child
+forgets what its parent tracks.
+
+SIGKILL leaves files behind. Their names carry the owner's pid namespace and pid
+(``splitserve-<ns>-<pid>-<hex>``), so crash recovery can tell them apart:
+``sweep_dead_owners`` removes this user's files whose owner process is gone. Transports sweep
+their directories when they create files, the launcher after its server stopped.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import signal
 import threading
 import weakref
@@ -22,6 +28,10 @@ from typing import Protocol
 class _Closable(Protocol):
     def close(self) -> None: ...
 
+
+OWNED_NAME = re.compile(r"^splitserve-(\d+)-(\d+)-[0-9a-f]+(\.sock)?$")
+"""A file a transport made: ``splitserve-<pid namespace>-<owner pid>-<hex>``, a socket with
+``.sock``."""
 
 _paths: set[Path] = set()
 _live: weakref.WeakSet[_Closable] = weakref.WeakSet()
@@ -77,3 +87,51 @@ def _install() -> None:
     main = threading.current_thread() is threading.main_thread()
     if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_signal)
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode): pids mean something only within it."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def owned_name(
+    token: str, suffix: str = "", pid: int | None = None, namespace: int | None = None
+) -> str:
+    """``splitserve-<pid namespace>-<pid>-<token><suffix>``: a name that says who owns it."""
+    namespace = pid_namespace() if namespace is None else namespace
+    return f"splitserve-{namespace}-{os.getpid() if pid is None else pid}-{token}{suffix}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running process (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def sweep_dead_owners(directory: str | os.PathLike[str]) -> list[Path]:
+    """Crash recovery: remove this user's ``splitserve-<ns>-<pid>-*`` files in ``directory``
+    whose owner process is gone (killed with SIGKILL, so it could not unlink them). Files made
+    in another pid namespace (another container sharing ``/dev/shm``) are left alone: their pids
+    cannot be checked from here. Returns what it removed."""
+    removed = []
+    uid = os.geteuid()
+    namespace = pid_namespace()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = OWNED_NAME.match(entry.name)
+        if match is None or int(match.group(1)) != namespace or pid_alive(int(match.group(2))):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed

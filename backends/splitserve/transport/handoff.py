@@ -78,6 +78,7 @@ class LeasedTransport(KVTransport):
         self._released: OrderedDict[bytes, float] = OrderedDict()
         self._released_lock = threading.Lock()
         self._closed = False
+        self._fetch_counts = dict.fromkeys(("fetches", "fetched_bytes", "fetch_ns"), 0)
         cleanup.close_at_exit(self)
 
     @abstractmethod
@@ -153,7 +154,11 @@ class LeasedTransport(KVTransport):
         if max(h.block_ids) >= src.shape[0]:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[0]}")
         self._notify(h, PULL)
+        started = time.perf_counter_ns()
         copy_blocks(src, h.block_ids, pool.tensor, dst_block_ids)
+        self._fetch_counts["fetch_ns"] += time.perf_counter_ns() - started
+        self._fetch_counts["fetched_bytes"] += len(dst_block_ids) * pool.layout.block_bytes
+        self._fetch_counts["fetches"] += 1
 
     def release(self, handle: bytes) -> None:
         h = self._verify(handle, margin_s=None)
@@ -165,7 +170,7 @@ class LeasedTransport(KVTransport):
         self._notify(h, RELEASE)
 
     def stats(self) -> dict[str, int]:
-        counts = {"dropped_messages": self._sender.dropped}
+        counts = {"dropped_messages": self._sender.dropped, **self._fetch_counts}
         if self._leases is not None and self._listener is not None:
             counts.update(asdict(self._leases.stats()))
             counts.update(self._listener.counts)

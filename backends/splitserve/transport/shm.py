@@ -1,13 +1,16 @@
 """KV transport over POSIX shared memory, for processes on one machine without GPUs.
 
-The owner's pool lives in ``/dev/shm/splitserve-<pool id hex>`` (mode 0600, unlinked on close,
-at exit and on SIGTERM), allocated up front so that a full tmpfs fails at creation, not with
-SIGBUS on a later write. A reader maps the segment read-only once per pool id and copies
-blocks out of it; it checks on every fetch that the segment it mapped is still the owner's.
+The owner's pool lives in ``/dev/shm/splitserve-<pid ns>-<owner pid>-<pool id hex>`` (mode
+0600, unlinked on close and at exit; a SIGKILLed owner's is swept by the next pool created on
+the machine and by the launcher, see ``cleanup``), allocated up front so that a full tmpfs fails
+at creation, not with SIGBUS on a later write. A reader maps the segment read-only once per pool
+id and copies blocks out of it; it checks on every fetch that the segment it mapped is still the
+owner's.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import secrets
@@ -25,6 +28,8 @@ from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport import cleanup
 from splitserve.transport.handoff import LeasedTransport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,7 +64,10 @@ class ShmTransport(LeasedTransport):
             raise ValueError(f"the shm transport holds CPU pools only, not {device}")
         if self._segment is not None:
             raise RuntimeError("this transport already created its pool")
-        pool_id = secrets.token_bytes(16)
+        for stale in cleanup.sweep_dead_owners(self._shm_dir):
+            log.warning("removed %s, left by a process that was killed", stale)
+        owner = cleanup.pid_namespace().to_bytes(4, "little") + os.getpid().to_bytes(4, "little")
+        pool_id = owner + secrets.token_bytes(16 - len(owner))
         path = self._segment_path(pool_id)
         size = num_blocks * layout.block_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -142,4 +150,8 @@ class ShmTransport(LeasedTransport):
             cleanup.untrack(self._segment.path)
 
     def _segment_path(self, pool_id: bytes) -> Path:
-        return self._shm_dir / f"splitserve-{pool_id.hex()}"
+        """The pool id begins with the owner's pid namespace and pid (u32 each, little-endian),
+        which the name repeats for crash recovery; the rest is random."""
+        namespace = int.from_bytes(pool_id[:4], "little")
+        pid = int.from_bytes(pool_id[4:8], "little")
+        return self._shm_dir / cleanup.owned_name(pool_id.hex(), pid=pid, namespace=namespace)

@@ -22,25 +22,29 @@ from splitserve.serving.frontend import Prepared
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.generate import GenerateModelBase
-from splitserve.triton.tensors import FINAL, error_response
 
 log = logging.getLogger(__name__)
 
 
 class PrefillError(RuntimeError):
-    def __init__(self, message: str, code_name: str) -> None:
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.code_name = code_name
+        self.kind = kind
+        """A ``Sink.fail`` kind: ``internal`` or ``unavailable``."""
 
 
 class DecodeModel(GenerateModelBase):
     role = "decode"
 
     def make_pool(self) -> KVPool:
-        self.transport = get_transport(self.cfg.transport, key=load_key())
+        self.key = load_key()
+        self.transport = get_transport(self.cfg.transport, key=self.key)
         pool = self.parts.new_pool()
         self.transport.register(pool)
         return pool
+
+    def transport_counts(self) -> dict[str, int]:
+        return self.transport.stats()
 
     async def execute(self, requests: list[Any]) -> None:
         await asyncio.gather(*(self._handle(r) for r in requests))
@@ -56,22 +60,19 @@ class DecodeModel(GenerateModelBase):
             first, handle = await self._prefill(rid, prep, seed)
             if request.is_cancelled():
                 self.transport.release(handle)
-                sink.sender.send(flags=FINAL)
+                sink.cancel()
                 return
             source = handoff.TransportSource(self.transport, handle)
             self.loop.add_prefilled(
                 rid, prep.prompt_ids, prep.gen.params, first, seed, source, sink
             )
         except PrefillError as exc:
-            code = getattr(pb_utils.TritonError, exc.code_name)
-            sink.sender.send(error_response(str(exc), code), flags=FINAL)
+            sink.fail(str(exc), exc.kind)
         except Exception as exc:  # every request must end with FINAL, whatever went wrong
             log.exception("request %s failed before decode", rid)
             if handle:
                 self.transport.release(handle)
-            sink.sender.send(
-                error_response(f"internal error: {exc}", pb_utils.TritonError.INTERNAL), flags=FINAL
-            )
+            sink.fail(f"internal error: {exc}", "internal")
 
     async def _prefill(self, rid: str, prep: Prepared, seed: int) -> tuple[int, bytes]:
         params = handoff.params_to_json(prep.gen.params)
@@ -81,6 +82,7 @@ class DecodeModel(GenerateModelBase):
             pb_utils.Tensor(handoff.SEED, np.array([[seed]], dtype=np.uint64)),
             pb_utils.Tensor(handoff.REQUEST_ID, np.array([[rid.encode()]], dtype=np.object_)),
         ]
+        auth = handoff.auth_tag(self.key, rid)
         deadline = time.monotonic() + self.cfg.prefill_retry_s
         delay = 0.005
         while True:
@@ -88,14 +90,15 @@ class DecodeModel(GenerateModelBase):
                 model_name=self.cfg.prefill_model,
                 requested_output_names=[handoff.FIRST_TOKEN, handoff.KV_HANDLE],
                 inputs=inputs,
+                parameters={handoff.AUTH: auth},
             ).async_exec()
             if not response.has_error():
                 break
             message = response.error().message()
             if handoff.POOL_FULL not in message:
-                raise PrefillError(f"prefill failed: {message}", "INTERNAL")
+                raise PrefillError(f"prefill failed: {message}", "internal")
             if time.monotonic() > deadline:
-                raise PrefillError(f"server busy: {message}", "UNAVAILABLE")
+                raise PrefillError(f"server busy: {message}", "unavailable")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.2)
         first = pb_utils.get_output_tensor_by_name(response, handoff.FIRST_TOKEN).as_numpy()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -12,9 +13,12 @@ from splitserve.engine.build import Components, build_components, scheduler_limi
 from splitserve.engine.engine import Engine
 from splitserve.kv.pool import KVPool
 from splitserve.serving.config import ServingConfig
+from splitserve.serving.drain import MESSAGE as DRAIN_MESSAGE
+from splitserve.serving.drain import DrainWatch
 from splitserve.serving.frontend import Prepared, prepare
 from splitserve.serving.inputs import InputError
 from splitserve.serving.loop import EngineLoop
+from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.triton.metrics import InstanceMetrics
 from splitserve.triton.setup import setup_instance
 from splitserve.triton.sink import SenderThread, TritonSink
@@ -30,6 +34,7 @@ class GenerateModelBase:
 
     def initialize(self, args: dict[str, Any]) -> None:
         self.cfg: ServingConfig = setup_instance(args, self.role)
+        self.instance_name = args["model_instance_name"]
         self.parts: Components = build_components(self.cfg.engine)
         pool = self.make_pool()
         engine = Engine(
@@ -39,25 +44,60 @@ class GenerateModelBase:
             scheduler_limits(self.cfg.engine),
             self.parts.max_model_len,
         )
+        self.stats = InstanceStats(self.cfg.max_queue)
         self.metrics = InstanceMetrics(
-            args, pool.allocator, min_interval_s=self.cfg.metrics_interval_s
+            args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
         )
         self.sender = SenderThread()
+        self.drain_watch = DrainWatch()
         self.loop = EngineLoop(
-            engine,
-            self.cfg.cancel_poll_s,
-            name=f"{self.role}-engine",
-            after_step=lambda loop: self.metrics.update(
-                loop.num_active, loop.engine.scheduler.num_handoff_failures
-            ),
+            engine, self.cfg.cancel_poll_s, name=f"{self.role}-engine", after_step=self._after_step
         )
         self.loop.start()
 
     def make_pool(self) -> KVPool:
         return self.parts.new_pool()
 
+    def transport_counts(self) -> dict[str, int]:
+        """Cumulative counts of this instance's KV transport, if it has one."""
+        return {}
+
+    def _after_step(self, loop: EngineLoop) -> None:
+        if not loop.draining and self.drain_watch.requested():
+            log.info("%s: draining, the server is stopping", self.instance_name)
+            loop.drain(DRAIN_MESSAGE)
+        self.stats.set_running(len(loop.engine.scheduler.running))
+        self.metrics.update()
+
+    def _gauges(self) -> dict[str, float]:
+        """Read on the engine thread, which owns the scheduler."""
+        scheduler = self.loop.engine.scheduler
+        allocator = scheduler.allocator
+        return {
+            "kv_blocks_used": allocator.num_used,
+            "kv_blocks_free": allocator.num_free,
+            "requests_active": self.loop.num_active,
+            "requests_running": len(scheduler.running),
+            "kv_handoff_recomputes": scheduler.num_handoff_failures,
+            **record_transport(self.stats, self.transport_counts()),
+        }
+
+    def _refusal(self) -> str | None:
+        """Why a valid request cannot be taken now (counted as ``unavailable``), or None."""
+        if self.loop.draining:
+            self.stats.error("unavailable")
+            return DRAIN_MESSAGE
+        if not self.stats.admit():
+            return (
+                f"server busy: {self.stats.queued} requests queued on "
+                f"{self.instance_name} (max_queue {self.cfg.max_queue}); retry later"
+            )
+        return None
+
     def intake(self, request: Any) -> tuple[Prepared, TritonSink, str] | None:
-        """Parse and validate; on bad input answer INVALID_ARG + FINAL and return None."""
+        """Parse, validate and admit. On bad input answer INVALID_ARG + FINAL; on a full queue
+        or while draining UNAVAILABLE + FINAL; then return None."""
+        arrival = time.monotonic()
         sender = request.get_response_sender()
         try:
             prep = prepare(
@@ -67,9 +107,15 @@ class GenerateModelBase:
                 self.cfg.default_max_tokens,
             )
         except InputError as exc:
+            self.stats.error("invalid")
             sender.send(error_response(str(exc)), flags=FINAL)
             return None
-        return prep, TritonSink(sender, prep.gen, self.sender), uuid.uuid4().hex
+        refusal = self._refusal()
+        if refusal is not None:
+            sender.send(error_response(refusal, pb_utils.TritonError.UNAVAILABLE), flags=FINAL)
+            return None
+        sink = TritonSink(sender, prep.gen, self.sender, self.stats, arrival)
+        return prep, sink, uuid.uuid4().hex
 
     def finalize(self) -> None:
         self.loop.stop()

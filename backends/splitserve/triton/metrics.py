@@ -1,78 +1,100 @@
-"""Custom metrics on Triton's metrics port, labelled by model and instance."""
+"""Custom metrics on Triton's metrics port, labelled by model and instance.
+
+Values are recorded in a ``serving.stats.InstanceStats`` and published from one thread at most
+every ``min_interval_s``: each ``set``, ``increment`` or ``observe`` is an IPC to the server.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from splitserve.kv.allocator import BlockAllocator
-from splitserve.transport.base import KVTransport
-
-GAUGES = {
-    "splitserve_kv_blocks_used": "KV cache blocks in use (running requests and leases)",
-    "splitserve_kv_blocks_free": "KV cache blocks free",
-    "splitserve_leases_outstanding": "KV leases handed out by prefill and not yet released",
-    "splitserve_requests_active": "Requests this instance is generating for",
-    "splitserve_kv_handoff_recomputes": "Handed-over requests whose KV could not be pulled and "
-    "was recomputed here (non-zero means the transport is failing)",
-}
+from splitserve.serving.stats import (
+    COUNTERS,
+    ERROR_KINDS,
+    ERRORS,
+    GAUGES,
+    HISTOGRAMS,
+    PREFIX,
+    InstanceStats,
+    Snapshot,
+)
 
 
 class InstanceMetrics:
     def __init__(
         self,
         args: dict[str, Any],
-        allocator: BlockAllocator,
-        transport: KVTransport | None = None,
+        stats: InstanceStats,
+        gauges: Callable[[], dict[str, float]],
         min_interval_s: float = 0.0,
     ) -> None:
+        """``gauges`` returns the instance's current gauge values (names of ``GAUGES``)."""
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        kind = pb_utils.MetricFamily
         # The families must outlive their metrics: a collected family makes ``set`` raise.
-        self._families = {
-            name: pb_utils.MetricFamily(
-                name=name, description=text, kind=pb_utils.MetricFamily.GAUGE
-            )
+        self._families: list[Any] = []
+        self._gauges = {
+            name: self._family(name, text, kind.GAUGE).Metric(labels=labels)
             for name, text in GAUGES.items()
         }
-        self._gauges = {name: f.Metric(labels=labels) for name, f in self._families.items()}
-        self.allocator = allocator
-        self.transport = transport
+        self._counters = {
+            name: self._family(name, text, kind.COUNTER).Metric(labels=labels)
+            for name, text in COUNTERS.items()
+        }
+        errors = self._family(*ERRORS, kind.COUNTER)
+        self._errors = {k: errors.Metric(labels={**labels, "kind": k}) for k in ERROR_KINDS}
+        self._histograms = {
+            key: self._family(name, text, kind.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+            for key, (name, text, buckets) in HISTOGRAMS.items()
+        }
+        self.stats = stats
+        self._read_gauges = gauges
         self.min_interval_s = min_interval_s
         self._last = 0.0
-        self._values: dict[str, int] = {}
+        self._values: dict[str, float] = {}
 
-    def update(self, active: int = 0, handoff_recomputes: int = 0, force: bool = False) -> None:
-        """Set the gauges whose values changed; each set is an IPC to the server."""
+    def _family(self, name: str, text: str, kind: Any) -> Any:
+        family = pb_utils.MetricFamily(name=PREFIX + name, description=text, kind=kind)
+        self._families.append(family)
+        return family
+
+    def update(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last < self.min_interval_s:
             return
         self._last = now
-        values = {
-            "splitserve_kv_blocks_used": self.allocator.num_used,
-            "splitserve_kv_blocks_free": self.allocator.num_free,
-            "splitserve_requests_active": active,
-            "splitserve_kv_handoff_recomputes": handoff_recomputes,
-        }
-        if self.transport is not None:
-            values["splitserve_leases_outstanding"] = self.transport.stats().get("outstanding", 0)
-        for name, value in values.items():
+        self._publish(self.stats.snapshot(self._read_gauges()))
+
+    def _publish(self, snap: Snapshot) -> None:
+        for name, value in snap.gauges.items():
             if self._values.get(name) != value:
                 self._gauges[name].set(value)
                 self._values[name] = value
+        for name, delta in snap.counters.items():
+            self._counters[name].increment(delta)
+        for error_kind, delta in snap.errors.items():
+            self._errors[error_kind].increment(delta)
+        for histogram, value in snap.observations:
+            self._histograms[histogram].observe(value)
 
     def close(self) -> None:
         """Drop the metric objects while the stub can still process their destructors: left to
         interpreter teardown, they are collected after the stub's IPC is gone and crash it."""
         self._gauges.clear()
+        self._counters.clear()
+        self._errors.clear()
+        self._histograms.clear()
         self._families.clear()
 
 
 class MetricsRefresher:
-    """Refreshes an instance's gauges on a thread of its own, for a model without an engine loop
-    (``prefill``): its leases end off the request path, by release message or by expiry."""
+    """Refreshes an instance's metrics on a thread of its own, for a model without an engine
+    loop (``prefill``): its leases end off the request path, by release message or by expiry."""
 
     def __init__(self, metrics: InstanceMetrics, interval_s: float) -> None:
         self._stop = threading.Event()

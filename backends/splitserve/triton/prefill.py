@@ -12,6 +12,7 @@ from splitserve.engine.build import build_components
 from splitserve.engine.prefill import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.serving import handoff
+from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
@@ -21,7 +22,7 @@ from splitserve.triton.tensors import error_response
 log = logging.getLogger(__name__)
 
 
-def _parse(request: Any) -> Request:
+def _parse(request: Any, key: bytes) -> Request:
     def get(name: str) -> np.ndarray:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
@@ -39,6 +40,7 @@ def _parse(request: Any) -> Request:
         raise ValueError(f"input '{handoff.REQUEST_ID}' is not valid UTF-8") from None
     req = Request(rid, ids, params)
     req.seed = int(get(handoff.SEED)[0])
+    handoff.check_auth(key, rid, request.parameters())
     return req
 
 
@@ -46,12 +48,22 @@ class PrefillModel:
     def initialize(self, args: dict[str, Any]) -> None:
         cfg = setup_instance(args, "prefill")
         parts = build_components(cfg.engine)
-        self.transport = get_transport(cfg.transport, key=load_key(), lease_ttl_s=cfg.lease_ttl_s)
+        self.key = load_key()
+        self.transport = get_transport(cfg.transport, key=self.key, lease_ttl_s=cfg.lease_ttl_s)
         pool = self.transport.create_pool(parts.layout, parts.num_blocks, cfg.engine.device)
         self.transport.register(pool)
         self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
-        self.metrics = InstanceMetrics(args, pool.allocator, self.transport)
+        self.stats = InstanceStats()
+        self.metrics = InstanceMetrics(args, self.stats, self._gauges)
         self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
+
+    def _gauges(self) -> dict[str, float]:
+        allocator = self.engine.allocator
+        return {
+            "kv_blocks_used": allocator.num_used,
+            "kv_blocks_free": allocator.num_free,
+            **record_transport(self.stats, self.transport.stats()),
+        }
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses: list[Any] = [None] * len(requests)
@@ -59,13 +71,15 @@ class PrefillModel:
         free = self.engine.allocator.num_free
         for i, request in enumerate(requests):
             try:
-                req = _parse(request)
+                req = _parse(request, self.key)
                 self.engine.check(req)
             except ValueError as exc:
+                self.stats.error("invalid")
                 responses[i] = error_response(str(exc))
                 continue
             need = self.engine.blocks_for(req)
             if need > free:
+                self.stats.error("unavailable")
                 responses[i] = error_response(
                     f"{handoff.POOL_FULL}: needs {need} blocks, {free} free",
                     pb_utils.TritonError.UNAVAILABLE,
@@ -75,7 +89,6 @@ class PrefillModel:
             batch.append((i, req))
         if batch:
             self._run(batch, responses)
-        self.metrics.update()
         return responses
 
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
@@ -85,6 +98,7 @@ class PrefillModel:
         except Exception as exc:
             log.exception("prefill failed")
             for i, _ in batch:
+                self.stats.error("internal")
                 responses[i] = error_response(
                     f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
                 )

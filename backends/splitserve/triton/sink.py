@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from splitserve.engine.output import RequestOutput
 from splitserve.serving.inputs import GenerateRequest
+from splitserve.serving.stats import InstanceStats
 from splitserve.triton.tensors import FINAL, bytes_tensor, error_response
 
 log = logging.getLogger(__name__)
@@ -60,18 +62,47 @@ class SenderThread:
 
 
 class TritonSink:
-    """One request's sink: formats outputs per the request's flags and queues the sends."""
+    """One request's sink: formats outputs per the request's flags, queues the sends, and tells
+    ``stats`` when the first token went out and how the request ended (exactly once)."""
 
-    def __init__(self, sender: Any, gen: GenerateRequest, thread: SenderThread) -> None:
+    def __init__(
+        self,
+        sender: Any,
+        gen: GenerateRequest,
+        thread: SenderThread,
+        stats: InstanceStats,
+        arrival: float,
+    ) -> None:
         self.sender = sender
         self.gen = gen
         self.thread = thread
+        self.stats = stats
+        self.arrival = arrival
         self._text = gen.prompt if gen.prepend_prompt else ""
+        self._first_at: float | None = None
+        self._ended = False
+
+    def _end(self, error_kind: str | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self.stats.end(error_kind)
+
+    def cancel(self) -> None:
+        """End the request the client gave up on: an empty FINAL response."""
+        self.thread.put(self.sender, None, FINAL)
+        self._end("cancelled")
 
     def send(self, out: RequestOutput) -> None:
         if out.finish_reason == "cancelled":
-            self.thread.put(self.sender, None, FINAL)
+            self.cancel()
             return
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+            self.stats.first_token(self.arrival, now)
+        if out.finished:
+            self.stats.finished(self._first_at, now, out.num_output_tokens)
+            self._end(None)
         if not self.gen.stream:
             self._text += out.new_text
             if out.finished:
@@ -104,6 +135,7 @@ class TritonSink:
             error_response(message, getattr(pb_utils.TritonError, ERROR_CODES[kind])),
             FINAL,
         )
+        self._end(kind)
 
     def cancelled(self) -> bool:
         return bool(self.sender.is_cancelled())

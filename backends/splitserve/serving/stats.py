@@ -1,0 +1,166 @@
+"""Counts of one model instance, kept without Triton: admission, ends, latencies, errors.
+
+Any thread records (request intake, the engine loop, the sender path); the metrics adapter
+takes a ``Snapshot`` now and then and publishes it, so recording never costs an IPC.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+ERROR_KINDS = ("invalid", "unavailable", "internal", "cancelled")
+"""How a request can end other than normally (``cancelled`` is the client's choice)."""
+
+PREFIX = "splitserve_"
+"""Of every metric name below, as it appears on the metrics port."""
+GAUGES = {
+    "kv_blocks_used": "KV cache blocks in use (running requests and leases)",
+    "kv_blocks_free": "KV cache blocks free",
+    "leases_outstanding": "KV leases handed out by prefill and not yet released or expired",
+    "requests_active": "Requests this instance's engine is generating for",
+    "requests_running": "Requests in this instance's running batch",
+    "queue_depth": "Requests accepted and not yet running (waiting for prefill, blocks, a slot)",
+    "kv_handoff_recomputes": "Handed-over requests whose KV could not be pulled and was "
+    "recomputed here (non-zero means the transport is failing)",
+}
+COUNTERS = {
+    "leases_granted_total": "KV leases granted by prefill",
+    "leases_released_total": "KV leases released by their reader",
+    "leases_expired_total": "KV leases freed because nobody released them in time",
+    "kv_handoffs_total": "KV handoffs pulled by this instance",
+    "kv_handoff_bytes_total": "Bytes of KV pulled by this instance",
+    "kv_handoff_seconds_total": "Seconds spent pulling KV",
+}
+ERRORS = ("errors_total", "Requests ended with an error or cancelled, by kind")
+HISTOGRAMS = {
+    "ttft": (
+        "ttft_seconds",
+        "Time from request arrival to its first token",
+        [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
+    ),
+    "tpot": (
+        "tpot_seconds",
+        "Mean time per output token after the first, per request",
+        [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
+    ),
+}
+
+
+@dataclass
+class Snapshot:
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    """Increments since the previous snapshot, by counter name."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """Increments since the previous snapshot, by error kind."""
+    observations: list[tuple[str, float]] = field(default_factory=list)
+    """``(histogram name, value)`` recorded since the previous snapshot."""
+
+
+class InstanceStats:
+    """Thread-safe request accounting of one instance, with an optional queue bound.
+
+    A request is *in flight* from ``admit`` until ``end``; the engine reports how many of them
+    are ``running`` (scheduled in its batch); the rest are queued: waiting for prefill, for KV
+    blocks or for a batch slot. ``max_queue`` > 0 bounds that queue.
+    """
+
+    def __init__(self, max_queue: int = 0) -> None:
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0 (0: unbounded)")
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._running = 0
+        self._errors = dict.fromkeys(ERROR_KINDS, 0)
+        self._observations: list[tuple[str, float]] = []
+        self._totals: dict[str, float] = {}
+        self._published: dict[str, float] = {}
+        self._published_errors = dict.fromkeys(ERROR_KINDS, 0)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        return max(0, self._in_flight - self._running)
+
+    def admit(self) -> bool:
+        """Take a new request unless the queue is at its bound (then count it unavailable)."""
+        with self._lock:
+            if self.max_queue and self._in_flight - self._running >= self.max_queue:
+                self._errors["unavailable"] += 1
+                return False
+            self._in_flight += 1
+            return True
+
+    def end(self, error_kind: str | None = None) -> None:
+        """An admitted request sent its FINAL response; ``error_kind`` if it failed."""
+        with self._lock:
+            self._in_flight -= 1
+            if error_kind is not None:
+                self._errors[error_kind] += 1
+
+    def error(self, kind: str) -> None:
+        """A request rejected before admission (bad input)."""
+        with self._lock:
+            self._errors[kind] += 1
+
+    def set_running(self, running: int) -> None:
+        self._running = running
+
+    def observe(self, histogram: str, value: float) -> None:
+        with self._lock:
+            self._observations.append((histogram, value))
+
+    def first_token(self, arrival: float, now: float) -> None:
+        self.observe("ttft", now - arrival)
+
+    def finished(self, first_token_at: float, now: float, num_output_tokens: int) -> None:
+        if num_output_tokens > 1:
+            self.observe("tpot", (now - first_token_at) / (num_output_tokens - 1))
+
+    def set_total(self, name: str, value: float) -> None:
+        """A cumulative count kept elsewhere (a transport's); published as a counter."""
+        with self._lock:
+            self._totals[name] = value
+
+    def snapshot(self, gauges: dict[str, float]) -> Snapshot:
+        """``gauges`` plus everything recorded since the last snapshot."""
+        with self._lock:
+            counters = {
+                name: value - self._published.get(name, 0.0)
+                for name, value in self._totals.items()
+                if value != self._published.get(name, 0.0)
+            }
+            self._published.update(self._totals)
+            errors = {
+                kind: n - self._published_errors[kind]
+                for kind, n in self._errors.items()
+                if n != self._published_errors[kind]
+            }
+            self._published_errors.update(self._errors)
+            observations, self._observations = self._observations, []
+            queue = {"queue_depth": max(0, self._in_flight - self._running)}
+        return Snapshot({**queue, **gauges}, counters, errors, observations)
+
+
+TRANSPORT_COUNTERS = {
+    "granted": ("leases_granted_total", 1.0),
+    "released": ("leases_released_total", 1.0),
+    "expired": ("leases_expired_total", 1.0),
+    "fetches": ("kv_handoffs_total", 1.0),
+    "fetched_bytes": ("kv_handoff_bytes_total", 1.0),
+    "fetch_ns": ("kv_handoff_seconds_total", 1e-9),
+}
+"""``KVTransport.stats()`` key -> (counter name, scale)."""
+
+
+def record_transport(stats: InstanceStats, counts: dict[str, int]) -> dict[str, float]:
+    """Hand a transport's cumulative counts to ``stats``; returns its lease gauges."""
+    for key, (name, scale) in TRANSPORT_COUNTERS.items():
+        if key in counts:
+            stats.set_total(name, counts[key] * scale)
+    return {"leases_outstanding": float(counts.get("outstanding", 0))}

@@ -1,0 +1,95 @@
+"""Custom metrics on the metrics port: every family per model and instance, counts that move
+with a workload, and KV blocks, leases and queues back at zero once it is done."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from llm_client import GrpcStream, generate_inputs, samples, wait_for
+
+from splitserve.deploy.launcher import TritonServer
+
+pytestmark = pytest.mark.triton
+
+MODELS = ("llm", "llm_colocated")
+COMMON = (
+    "splitserve_kv_blocks_used",
+    "splitserve_kv_blocks_free",
+    "splitserve_leases_outstanding",
+    "splitserve_queue_depth",
+    "splitserve_requests_running",
+    "splitserve_leases_expired_total",
+    "splitserve_kv_handoff_bytes_total",
+    "splitserve_kv_handoff_seconds_total",
+    "splitserve_ttft_seconds_count",
+    "splitserve_tpot_seconds_bucket",
+)
+ERROR_KINDS = {"invalid", "unavailable", "internal", "cancelled"}
+IDLE = ("splitserve_kv_blocks_used", "splitserve_leases_outstanding", "splitserve_queue_depth")
+N = 3
+
+Totals = dict[tuple[str, str], float]
+
+
+def totals(server: TritonServer, kind: str | None = None) -> Totals:
+    """Samples summed per (name, model); only errors of ``kind`` when given."""
+    out: Totals = defaultdict(float)
+    for name, labels, value in samples(server):
+        if kind is None or labels.get("kind", kind) == kind:
+            out[(name, labels["model"])] += value
+    return out
+
+
+def test_families_per_model_and_instance(splitserve_server: TritonServer) -> None:
+    seen: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    kinds: dict[str, set[str]] = defaultdict(set)
+    for name, labels, _ in samples(splitserve_server):
+        seen[name].add((labels["model"], labels["instance"]))
+        if name == "splitserve_errors_total":
+            kinds[labels["model"]].add(labels["kind"])
+    for name in COMMON:
+        assert {model for model, _ in seen[name]} == {*MODELS, "prefill"}, name
+        assert all(instance.startswith(f"{model}_") for model, instance in seen[name]), name
+    assert all(kinds[model] == ERROR_KINDS for model in (*MODELS, "prefill")), kinds
+
+
+def test_a_workload_moves_the_counts_and_leaves_nothing_held(
+    splitserve_server: TritonServer,
+) -> None:
+    before, invalid_before = totals(splitserve_server), totals(splitserve_server, "invalid")
+    with GrpcStream(splitserve_server.grpc_url) as stream:
+        for model in MODELS:
+            for _ in range(N):
+                inputs = generate_inputs("Metrics", stream=True, sampling={"max_tokens": 4})
+                assert stream.generate(model, inputs).finals[-1]
+            assert "max_tokens" in stream.error_of(
+                model, generate_inputs("hi", sampling={"max_tokens": 0})
+            )
+
+    def settled() -> bool:
+        now = totals(splitserve_server)
+        idle = all(now[(name, m)] == 0 for name in IDLE for m in (*MODELS, "prefill"))
+        return (
+            idle
+            and now[("splitserve_ttft_seconds_count", "llm")]
+            >= before[("splitserve_ttft_seconds_count", "llm")] + N
+        )
+
+    assert wait_for(settled, 5.0), totals(splitserve_server)
+    after, invalid_after = totals(splitserve_server), totals(splitserve_server, "invalid")
+
+    def grew(name: str, model: str) -> float:
+        return after[(name, model)] - before[(name, model)]
+
+    for model in MODELS:
+        assert grew("splitserve_ttft_seconds_count", model) >= N
+        assert grew("splitserve_tpot_seconds_count", model) >= N
+        assert grew("splitserve_tpot_seconds_sum", model) > 0
+        key = ("splitserve_errors_total", model)
+        assert invalid_after[key] - invalid_before[key] == 1
+    assert grew("splitserve_kv_handoffs_total", "llm") >= N
+    assert grew("splitserve_kv_handoff_bytes_total", "llm") > 0
+    assert grew("splitserve_kv_handoff_seconds_total", "llm") > 0
+    assert grew("splitserve_leases_granted_total", "prefill") >= N
+    assert grew("splitserve_leases_released_total", "prefill") >= N
