@@ -1,0 +1,3 @@
+from splitserve_client.openai_api.server import main
+
+main()
