@@ -7,6 +7,9 @@ import logging
 import sys
 from pathlib import Path
 
+from splitserve_client.openai_api.options import OpenAIOptions, add_frontend_arguments
+from splitserve_client.openai_api.options import add_arguments as add_openai_arguments
+
 
 def _engine_params(args: argparse.Namespace) -> dict[str, str]:
     params = {}
@@ -22,27 +25,112 @@ def _engine_params(args: argparse.Namespace) -> dict[str, str]:
     return params
 
 
+def _frontend_beside(args: argparse.Namespace) -> OpenAIOptions:
+    """The OpenAI frontend's settings for ``serve --openai-port``: this server's gRPC port, the
+    public model of the layout, the served checkpoint."""
+    tiny = args.model == "tiny"
+    return OpenAIOptions(
+        triton_url=f"localhost:{args.grpc_port}",
+        host=args.host,
+        port=args.openai_port,
+        triton_model="llm_colocated" if args.layout == "colocated" else "llm",
+        served_model_name=args.served_model_name or ("tiny" if tiny else None),
+        model_dir=None if tiny else Path(args.model),
+        max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        log_level=args.openai_log_level,
+    )
+
+
+PLACEMENT_FLAGS = (
+    "layout",
+    "device",
+    "prefill_instances",
+    "decode_instances",
+    "colocated_instances",
+    "prefill_cores",
+    "decode_cores",
+    "colocated_cores",
+    "prefill_gpus",
+    "decode_gpus",
+    "colocated_gpus",
+)
+SERVE_DEFAULTS = {
+    "layout": "both",
+    "device": "cpu",
+    "prefill_instances": 1,
+    "decode_instances": 1,
+    "colocated_instances": 1,
+}
+
+
+def _resolve_serve_args(args: argparse.Namespace) -> None:
+    """Fill ``serve``'s placement defaults, or take them from ``--plan`` (which then must not
+    be contradicted by placement flags)."""
+    if args.plan is None:
+        args.model = args.model or "tiny"
+        for key, value in SERVE_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        return
+    from splitserve.planner.plan import Plan
+
+    given = [f"--{k.replace('_', '-')}" for k in PLACEMENT_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise SystemExit(f"--plan sets the placement; drop {', '.join(given)}")
+    plan = Plan.load(args.plan)
+    args.model = args.model or plan.model
+    args.layout = plan.placement.mode
+    args.device = plan.device
+    args.max_model_len = args.max_model_len or plan.max_model_len
+    for key, value in SERVE_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from splitserve.deploy.serve import ServeOptions, serve_forever
+    from splitserve_client.openai_api.server import BackgroundFrontend
 
-    serve_forever(
-        ServeOptions(
-            model=args.model,
-            layout=args.layout,
-            engine=_engine_params(args),
-            prefill_instances=args.prefill_instances,
-            decode_instances=args.decode_instances,
-            colocated_instances=args.colocated_instances,
-            prefill_cores=args.prefill_cores,
-            decode_cores=args.decode_cores,
-            colocated_cores=args.colocated_cores,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            host=args.host,
-            repo_dir=args.repo_dir,
-        )
+    _resolve_serve_args(args)
+    opts = ServeOptions(
+        model=args.model,
+        layout=args.layout,
+        engine=_engine_params(args),
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        colocated_instances=args.colocated_instances,
+        prefill_cores=args.prefill_cores,
+        decode_cores=args.decode_cores,
+        colocated_cores=args.colocated_cores,
+        device=args.device,
+        prefill_gpus=args.prefill_gpus,
+        decode_gpus=args.decode_gpus,
+        colocated_gpus=args.colocated_gpus,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        host=args.host,
+        repo_dir=args.repo_dir,
+        plan=args.plan,
     )
+    if args.openai_port is None:
+        serve_forever(opts)
+        return
+    # Started first: it answers 503 until Triton is up, and finds the model on first use.
+    frontend = BackgroundFrontend(_frontend_beside(args)).start()
+    print(f"  OpenAI   http://{args.host}:{args.openai_port}/v1", flush=True)
+    try:
+        serve_forever(opts)
+    finally:
+        frontend.stop()
+
+
+def cmd_openai(args: argparse.Namespace) -> None:
+    from splitserve_client.openai_api.options import options_from_args
+    from splitserve_client.openai_api.server import run
+
+    run(options_from_args(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -97,6 +185,181 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print("\n".join(summary_lines(report)))
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def cmd_plan_profile(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from splitserve.planner.commands import QUICK_POINTS, build_profile, profile_lines
+    from splitserve.planner.measure import Points
+    from splitserve.planner.profile import ServingOverhead
+
+    points = QUICK_POINTS if args.quick else Points()
+    given = {
+        key: getattr(args, key)
+        for key in ("prefill_lengths", "prefill_batches", "decode_batches", "decode_contexts")
+        if getattr(args, key) is not None
+    }
+    for key in ("decode_steps", "repeats"):
+        if getattr(args, key) is not None:
+            given[key] = getattr(args, key)
+    points = dataclasses.replace(points, **given)
+    profile = build_profile(
+        args.model,
+        args.device,
+        args.dtype or ("bfloat16" if args.modelled else "float32"),
+        points,
+        cores=list(args.cores) if args.cores else None,
+        modelled=args.modelled,
+        serving=ServingOverhead(args.token_overhead_ms / 1e3, args.request_overhead_ms / 1e3),
+        progress=not args.no_progress,
+    )
+    profile.save(args.out)
+    print("\n".join(profile_lines(profile)))
+    print(f"wrote {args.out}")
+
+
+def cmd_plan_search(args: argparse.Namespace) -> None:
+    from splitserve.planner.commands import (
+        default_limits,
+        make_plan,
+        result_lines,
+        search_budget,
+        write_results,
+    )
+    from splitserve.planner.profile import Profile
+    from splitserve.planner.search import SLO
+    from splitserve.planner.simulate import Traffic
+
+    profile = Profile.load(args.profile)
+    budgets = args.cores or args.gpus
+    if (args.cores is not None) != (profile.device == "cpu"):
+        raise SystemExit(
+            f"this profile is of device {profile.device!r}: give --cores for cpu, --gpus for gpu"
+        )
+    if len(budgets) > 1 and (args.out or args.render):
+        raise SystemExit("--out and --render need a single --cores/--gpus budget")
+    max_len = min(args.max_model_len, profile.shape.max_model_len)
+    traffic = Traffic.of_workload(
+        args.workload,
+        args.num_requests,
+        max_len,
+        args.seed,
+        args.arrival,
+        args.cv,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        min_duration_s=args.min_duration_s,
+    )
+    slo = SLO(args.ttft_slo, args.tpot_slo, args.attainment)
+    base = default_limits(profile, args.kv_cache_bytes)
+    results = []
+    for devices in budgets:
+        result = search_budget(profile, traffic, slo, devices, base, not args.no_progress)
+        results.append(result)
+        print("\n".join(result_lines(profile, result, args.top)))
+    if args.json:
+        write_results(args.json, profile, results)
+    if args.out or args.render:
+        info = {
+            "workload": args.workload,
+            "num_requests": args.num_requests,
+            "max_model_len": max_len,
+            "seed": args.seed,
+            "arrival": args.arrival,
+            "cv": args.cv,
+            "min_duration_s": args.min_duration_s,
+        }
+        plan = make_plan(profile, results[0], info, slo, max_len, args.top)
+        if args.out:
+            plan.save(args.out)
+            print(f"wrote {args.out}")
+        if args.render:
+            from splitserve.deploy.render import render
+
+            render(plan.to_layout(), args.render)
+            print(f"rendered the model repository into {args.render}")
+
+
+def _add_plan_parsers(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="offline placement planner: profile, simulate, search")
+    psub = plan.add_subparsers(dest="plan_command", required=True)
+
+    p = psub.add_parser("profile", help="time prefill and decode steps and fit a latency model")
+    p.add_argument("--model", default="tiny", help="'tiny' or a local checkpoint dir")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--cores",
+        type=_ints,
+        help="core counts per instance to profile, e.g. 1,2 (one pinned subprocess each); "
+        "default: this process's cores",
+    )
+    p.add_argument(
+        "--modelled",
+        action="store_true",
+        help="GPU: compute the profile from H200 bandwidth and FLOP rate instead of measuring",
+    )
+    p.add_argument("--quick", action="store_true", help="very few points (a smoke test)")
+    p.add_argument("--prefill-lengths", type=_ints)
+    p.add_argument("--prefill-batches", type=_ints)
+    p.add_argument("--decode-batches", type=_ints)
+    p.add_argument("--decode-contexts", type=_ints, help="context tokens per sequence")
+    p.add_argument("--decode-steps", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument(
+        "--token-overhead-ms",
+        type=float,
+        default=0.3,
+        help="serving cost per streamed token (the Python backend's response IPC; 0.3 ms measured "
+        "on the 2-core machine, BENCHMARKS.md)",
+    )
+    p.add_argument("--request-overhead-ms", type=float, default=0.0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_plan_profile)
+
+    s = psub.add_parser("search", help="simulate placements and rank them by goodput per device")
+    s.add_argument("--profile", type=Path, required=True)
+    s.add_argument(
+        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+    )
+    s.add_argument("--input-len", type=int)
+    s.add_argument("--output-len", type=int)
+    s.add_argument("--ttft-slo", type=float, required=True, help="seconds")
+    s.add_argument("--tpot-slo", type=float, required=True, help="seconds")
+    s.add_argument("--attainment", type=float, default=0.9)
+    budget = s.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--cores", type=_ints, help="cores to place on (a list: one search each)")
+    budget.add_argument("--gpus", type=_ints, help="GPUs to place on, e.g. 8 or 1,2,4,8")
+    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--num-requests", type=int, default=300, help="simulated requests per run")
+    s.add_argument(
+        "--min-duration-s",
+        type=float,
+        default=20.0,
+        help="at high rates, repeat the requests until arrivals span this long (sustained "
+        "load, not one burst); 0: exactly --num-requests, as `splitserve bench` sends",
+    )
+    s.add_argument("--arrival", choices=["poisson", "gamma", "fixed"], default="poisson")
+    s.add_argument("--cv", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--kv-cache-bytes", type=int, help="KV pool per instance")
+    s.add_argument("--top", type=int, default=8, help="placements to print")
+    s.add_argument("--out", type=Path, help="write the best placement as plan.json")
+    s.add_argument("--render", type=Path, help="render its Triton model repository here")
+    s.add_argument("--json", type=Path, help="every placement tried, with its attainment curve")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_plan_search)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="splitserve", description="Disaggregated LLM serving on Triton"
@@ -104,11 +367,18 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="render a model repository and run tritonserver on it")
-    s.add_argument("--model", default="tiny", help="'tiny' or a local Hugging Face checkpoint dir")
-    s.add_argument("--layout", choices=["disagg", "colocated", "both"], default="both")
-    s.add_argument("--prefill-instances", type=int, default=1)
-    s.add_argument("--decode-instances", type=int, default=1)
-    s.add_argument("--colocated-instances", type=int, default=1)
+    s.add_argument(
+        "--model",
+        help="'tiny' (default) or a local Hugging Face checkpoint dir (default of a "
+        "--plan: its model)",
+    )
+    s.add_argument(
+        "--plan", type=Path, help="plan.json from `splitserve plan search`: layout and placement"
+    )
+    s.add_argument("--layout", choices=["disagg", "colocated", "both"], help="default both")
+    s.add_argument("--prefill-instances", type=int, help="default 1")
+    s.add_argument("--decode-instances", type=int, help="default 1")
+    s.add_argument("--colocated-instances", type=int, help="default 1")
     s.add_argument("--prefill-cores", help="core sets per prefill instance, e.g. '0' or '0;1'")
     s.add_argument("--decode-cores")
     s.add_argument("--colocated-cores")
@@ -120,10 +390,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--param", action="append", help="extra model parameter KEY=VALUE")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument(
+        "--device",
+        choices=["cpu", "gpu"],
+        help="cpu (default), or gpu: KIND_GPU instances and the CUDA IPC handoff",
+    )
+    s.add_argument("--prefill-gpus", help="GPU ids of prefill instances: '0', '0,1', '0-3'")
+    s.add_argument("--decode-gpus", help="GPU ids of decode (llm) instances")
+    s.add_argument("--colocated-gpus", help="GPU ids of llm_colocated instances (default: all)")
     s.add_argument("--metrics-port", type=int, default=8002)
     s.add_argument("--host", default="0.0.0.0")
     s.add_argument("--repo-dir", type=Path, help="where to render the repository (kept)")
+    s.add_argument(
+        "--openai-port", type=int, help="also serve the OpenAI-compatible API on this port"
+    )
+    add_frontend_arguments(s)
     s.set_defaults(func=cmd_serve)
+
+    o = sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of a Triton server")
+    add_openai_arguments(o)
+    o.set_defaults(func=cmd_openai)
 
     g = sub.add_parser("generate", help="send one prompt over gRPC and print the text")
     g.add_argument("prompt")
@@ -177,6 +463,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=cmd_bench)
+
+    _add_plan_parsers(sub)
     return ap
 
 

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from splitserve.deploy.launcher import TritonServer
-from splitserve.deploy.render import LAYOUTS, Layout, RoleSpec, default_cpu_layout, render
+from splitserve.deploy.render import (
+    LAYOUTS,
+    Layout,
+    RoleSpec,
+    default_cpu_layout,
+    default_gpu_layout,
+    parse_gpus,
+    render,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +34,53 @@ class ServeOptions:
     prefill_cores: str | None = None
     decode_cores: str | None = None
     colocated_cores: str | None = None
+    device: str = "cpu"
+    """``cpu`` (KIND_CPU, shm handoff) or ``gpu`` (KIND_GPU, CUDA IPC handoff)."""
+    prefill_gpus: str | None = None
+    """GPU ids (``"0"``, ``"0,1"``, ``"0-3"``); the ``*_instances`` counts are per GPU."""
+    decode_gpus: str | None = None
+    colocated_gpus: str | None = None
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
     host: str = "0.0.0.0"
     repo_dir: Path | None = None
     thread_pool_size: int = 128
+    plan: Path | None = None
+    """A ``plan.json`` from ``splitserve plan search``: it sets the layout, placement and batching
+    limits; ``model`` and ``engine`` still apply (they override the plan's)."""
+
+
+def layout_from_plan(opts: ServeOptions) -> Layout:
+    from splitserve.planner.plan import Plan
+
+    assert opts.plan is not None
+    layout = Plan.load(opts.plan).to_layout(opts.model)
+    return replace(layout, engine={**layout.engine, **opts.engine})
 
 
 def build_layout(opts: ServeOptions) -> Layout:
-    base = default_cpu_layout(opts.layout, {"model": opts.model, **opts.engine})
+    if opts.plan is not None:
+        return layout_from_plan(opts)
+    engine = {"model": opts.model, **opts.engine}
+    if opts.device == "gpu":
+        core_flags = (opts.prefill_cores, opts.decode_cores, opts.colocated_cores)
+        if any(flag is not None for flag in core_flags):
+            raise ValueError("core sets apply to --device cpu; GPU instances take GPU ids")
+        base = default_gpu_layout(
+            opts.layout,
+            engine,
+            parse_gpus(opts.prefill_gpus or "0"),
+            parse_gpus(opts.decode_gpus or "0"),
+            parse_gpus(opts.colocated_gpus) if opts.colocated_gpus else None,
+        )
+    elif opts.device == "cpu":
+        gpu_flags = (opts.prefill_gpus, opts.decode_gpus, opts.colocated_gpus)
+        if any(flag is not None for flag in gpu_flags):
+            raise ValueError("GPU ids need --device gpu")
+        base = default_cpu_layout(opts.layout, engine)
+    else:
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {opts.device!r}")
 
     def role(spec: RoleSpec, instances: int, cores: str | None) -> RoleSpec:
         return replace(
@@ -50,9 +95,36 @@ def build_layout(opts: ServeOptions) -> Layout:
     )
 
 
+def check_gpu_layout(layout: Layout) -> None:
+    """Fail early, with the reason, when the layout's GPUs do not exist or when a decode GPU
+    cannot map a prefill GPU's memory (CUDA IPC between two GPUs needs peer access)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        log.warning("cannot check the GPU layout here: torch sees no CUDA device")
+        return
+    count = torch.cuda.device_count()
+    used = {g for name in ("prefill", "decode", "colocated") for g in layout.role(name).gpus}
+    missing = sorted(g for g in used if g >= count)
+    if missing:
+        raise ValueError(f"GPUs {missing} do not exist here ({count} visible)")
+    if "prefill" not in LAYOUTS[layout.layout]:
+        return
+    for decode in layout.decode.gpus:
+        for prefill in layout.prefill.gpus:
+            if decode != prefill and not torch.cuda.can_device_access_peer(decode, prefill):
+                raise ValueError(
+                    f"decode GPU {decode} has no peer access to prefill GPU {prefill}, which "
+                    "CUDA IPC needs: pick GPUs linked by NVLink or PCIe P2P, or share one GPU"
+                )
+
+
 def start_server(opts: ServeOptions) -> TritonServer:
     repo = opts.repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
-    render(build_layout(opts), repo)
+    layout = build_layout(opts)
+    if layout.device == "gpu":
+        check_gpu_layout(layout)
+    render(layout, repo)
     server = TritonServer(
         repo,
         http_port=opts.http_port,
@@ -73,9 +145,11 @@ def serve_forever(opts: ServeOptions) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    layout = build_layout(opts)
     server = start_server(opts)
-    models = ", ".join(LAYOUTS[opts.layout])
-    print(f"splitserve: serving {opts.model!r} ({opts.layout}: {models})", flush=True)
+    models = ", ".join(LAYOUTS[layout.layout])
+    source = f", plan {opts.plan}" if opts.plan else ""
+    print(f"splitserve: serving {opts.model!r} ({layout.layout}: {models}{source})", flush=True)
     print(f"  HTTP     {server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
     print(f"  gRPC     {server.grpc_url}", flush=True)
     print(f"  metrics  {server.metrics_url}", flush=True)

@@ -1,0 +1,70 @@
+"""Latency fits recover the coefficients they were made from."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.planner.fit import (
+    DecodeFit,
+    DecodeRange,
+    DecodeSample,
+    PrefillFit,
+    PrefillSample,
+    fit_decode,
+    fit_handoff,
+    fit_prefill,
+)
+
+
+def test_prefill_fit_recovers_linear_and_quadratic_terms() -> None:
+    truth = PrefillFit(a=0.004, b=2e-4, c=3e-8)
+    samples = [
+        PrefillSample(b, n, truth(b * n, b * n * n)) for n in (32, 128, 512, 1024) for b in (1, 4)
+    ]
+    fit = fit_prefill(samples)
+    assert fit.a == pytest.approx(truth.a, rel=1e-6)
+    assert fit.b == pytest.approx(truth.b, rel=1e-6)
+    assert fit.c == pytest.approx(truth.c, rel=1e-6)
+
+
+def test_decode_fit_recovers_each_range() -> None:
+    small = DecodeRange(1, a=0.010, b=1e-3, c=2e-6)
+    large = DecodeRange(16, a=0.030, b=4e-4, c=1e-6)
+    truth = DecodeFit((small, large))
+    samples = [
+        DecodeSample(b, b * ctx, truth(b, b * ctx)) for b in (1, 4, 16, 64) for ctx in (64, 512)
+    ]
+    fit = fit_decode(samples)
+    assert [r.lo for r in fit.ranges] == [1, 16]
+    for got, want in zip(fit.ranges, truth.ranges, strict=True):
+        assert (got.a, got.b, got.c) == pytest.approx((want.a, want.b, want.c), rel=1e-6)
+
+
+def test_decode_range_with_one_batch_size_is_merged() -> None:
+    samples = [DecodeSample(b, b * c, 0.01 + 1e-3 * b) for b in (1, 2, 8) for c in (16, 64)]
+    fit = fit_decode(samples, bounds=(8,))
+    assert [r.lo for r in fit.ranges] == [1]
+    assert fit(8, 8 * 16) == pytest.approx(0.018, rel=1e-6)
+
+
+def test_fits_never_go_negative_on_noisy_samples() -> None:
+    # Timings where the longest prompt happened to run fast: an unconstrained fit would give
+    # a negative quadratic term and predict negative times for long prompts.
+    samples = [PrefillSample(1, 16, 0.010), PrefillSample(1, 64, 0.030), PrefillSample(2, 64, 0.05)]
+    samples.append(PrefillSample(1, 256, 0.06))
+    fit = fit_prefill(samples)
+    assert min(fit.a, fit.b, fit.c) >= 0
+    assert fit(4096, 4096**2) > fit(256, 256**2)
+
+
+def test_handoff_fit() -> None:
+    fit = fit_handoff([(1 << 16, 1e-4 + (1 << 16) / 1e10), (1 << 24, 1e-4 + (1 << 24) / 1e10)])
+    assert fit.fixed_s == pytest.approx(1e-4, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(1e10, rel=1e-6)
+
+
+def test_too_few_samples_are_refused() -> None:
+    with pytest.raises(ValueError):
+        fit_prefill([PrefillSample(1, 16, 0.01)])
+    with pytest.raises(ValueError):
+        fit_decode([DecodeSample(1, 16, 0.01), DecodeSample(1, 32, 0.01)])
