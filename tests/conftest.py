@@ -6,12 +6,20 @@ engine must match ``hf_reference.hf_greedy`` token for token. Each returns the c
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import LLAMA32_SETTINGS
 
 from splitserve.model.random_checkpoint import write_random_checkpoint
+
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU tensors. ``triton.jit`` reads this when a
+    # function is decorated, triton's own library included, so it must be set before anything
+    # imports triton: here, the first conftest pytest loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
