@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import blocks, norm, rope
+from splitserve_kernels.reference import attention, blocks, norm, rope
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -45,7 +45,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    impl = _gpu("attention") if uses_kernel(q) else cpu
+    if uses_kernel(q):
+        impl = _gpu("attention")
+    elif q.device.type == "cpu" and cpu.extension() is not None:
+        impl = cpu
+    else:
+        impl = attention
     return impl.paged_decode_attention(
         q, cache, layer, block_tables, seq_lens, scale, sliding_window
     )

@@ -2,8 +2,8 @@
 
 The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) and reused by every later process; a source change rebuilds it.
-``SPLITSERVE_KERNELS=reference`` turns them off. Where the build fails, each entry point falls
-back to its pure-torch reference with one warning.
+``SPLITSERVE_KERNELS=reference`` turns them off. Where the build fails, ``extension()`` is None
+(with one warning) and the dispatcher uses the pure-torch references instead.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-
-from splitserve_kernels.reference import attention as reference
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +55,10 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.attention.paged_decode_attention``; reads the cache in place."""
-    ext = extension() if q.device.type == "cpu" else None
-    if ext is None:
-        return reference.paged_decode_attention(
-            q, cache, layer, block_tables, seq_lens, scale, sliding_window
-        )
+    """Same contract as ``reference.attention.paged_decode_attention``, for CPU tensors; reads the
+    cache in place. Only called where ``extension()`` built."""
+    ext = extension()
+    assert ext is not None
     return ext.paged_decode_attention(
         q, cache, layer, block_tables, seq_lens, scale, sliding_window or -1
     )
