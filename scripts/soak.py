@@ -60,8 +60,8 @@ RSS_LIMIT = 0.05
 RSS_SAMPLES = 8
 WARMUP_FRACTION = 0.10
 """After a burst of the largest requests (``peak_plans``), long enough for every KV block to be
-touched once: the allocator hands freed blocks out last, so a pool's pages become resident as
-traffic cycles through it, and RSS rises until then."""
+touched once: a pool's pages become resident as traffic first reaches them, and RSS rises
+until then."""
 
 
 def tensor(name: str, values: list[Any], datatype: str) -> InferInput:
