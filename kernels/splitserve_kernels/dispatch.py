@@ -47,7 +47,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     if uses_kernel(q):
         impl = _gpu("attention")
-    elif q.device.type == "cpu" and cpu.extension() is not None:
+    elif q.device.type == "cpu" and q.dtype in cpu.DTYPES and cpu.extension() is not None:
         impl = cpu
     else:
         impl = attention

@@ -58,3 +58,27 @@ def test_falls_back_to_the_reference_when_turned_off(monkeypatch):
     monkeypatch.setattr(cpu, "extension", lambda: None)
     got = kernels.paged_decode_attention(q, cache, 2, tables, lens, 0.3)
     torch.testing.assert_close(got, reference(q, cache, 2, tables, lens, 0.3))
+
+
+@pytest.mark.parametrize("dim", [40, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dims_with_and_without_a_partial_vector(dim, dtype):
+    q, cache, tables, lens = _case(8, 2, dtype, [1, 17, 40], dim=dim, block=16)
+    got = cpu.paged_decode_attention(q, cache, 2, tables, lens, dim**-0.5, None)
+    want = reference(q.float(), cache.float(), 2, tables, lens, dim**-0.5, None).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_large_negative_scores_underflow_to_zero_weight():
+    q, cache, tables, lens = _case(4, 4, torch.float32, [40], dim=32)
+    got = cpu.paged_decode_attention(q * 60, cache, 0, tables, lens, 1.0)
+    want = reference(q * 60, cache, 0, tables, lens, 1.0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(got).all()
+
+
+def test_other_dtypes_use_the_reference():
+    q, cache, tables, lens = _case(6, 2, torch.float64, [3, 8])
+    got = kernels.paged_decode_attention(q, cache, 0, tables, lens, 0.3)
+    torch.testing.assert_close(got, reference(q, cache, 0, tables, lens, 0.3))

@@ -19,7 +19,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What the kernels take; other dtypes use the references."""
 
 
 def enabled() -> bool:
