@@ -8,7 +8,7 @@ OUT/validate.json, OUT/<workload>.png (predicted lines, measured points) and pri
 Needs a quiet machine: anything else running skews both the profile and the measurement.
 
   python scripts/plan_validate.py --model 100m --workload chatbot --workload summarization \
-      --ttft-slo 3 --tpot-slo 0.1 --cores 2 --num-requests 40 --out out/plan_validate
+      --ttft-slo 3 --tpot-slo 0.1 --cores 2 --num-requests 150 --rate-min 1 --out out/plan_validate
 """
 
 from __future__ import annotations
@@ -207,6 +207,7 @@ def main() -> None:
     ap.add_argument(
         "--workload", action="append", help="repeatable (default chatbot, summarization)"
     )
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--ttft-slo", type=float, default=3.0)
     ap.add_argument("--tpot-slo", type=float, default=0.1)
     ap.add_argument("--attainment", type=float, default=0.9)
@@ -241,7 +242,7 @@ def main() -> None:
         )
         points = QUICK_POINTS if args.quick_profile else Points()
         profile = build_profile(
-            model, "cpu", "float32", points, cores=counts,
+            model, "cpu", args.dtype, points, cores=counts,
             serving=ServingOverhead(token_s=args.token_overhead_ms / 1e3),
             progress=not args.no_progress,
         )  # fmt: skip
