@@ -11,6 +11,7 @@ from pathlib import Path
 from splitserve.model.tiny import tiny_config
 from splitserve.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
 from splitserve.planner.gpu_model import H200, modelled_profile
+from splitserve.planner.measure import Points
 from splitserve.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
 from splitserve_client.cli import main as cli_main
 
@@ -80,3 +81,9 @@ def test_profile_pinned_to_one_core(tmp_path: Path) -> None:
     cli_main(["plan", "profile", *args])
     profile = Profile.load(out)
     assert list(profile.units) == [1] and profile.units[1].threads == 1
+
+
+def test_points_context_holds_the_longest_prompt_and_its_output() -> None:
+    points = Points(prefill_lengths=(16, 1024), decode_contexts=(64,), decode_steps=8)
+    assert points.max_len == 1025
+    assert Points(prefill_lengths=(16,), decode_contexts=(512,)).max_len == 512 + 8 + 2

@@ -39,10 +39,10 @@ from splitserve.planner.profile import ModelShape, UnitProfile
 class Points:
     """Where to measure. Prefill batches of more than ``max_prefill_tokens`` are skipped."""
 
-    prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024)
+    prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2048)
     prefill_batches: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 4, 16, 64)
-    decode_contexts: tuple[int, ...] = (64, 512)
+    decode_contexts: tuple[int, ...] = (64, 512, 1536)
     decode_steps: int = 8
     repeats: int = 3
     max_prefill_tokens: int = 4096
@@ -60,7 +60,10 @@ class Points:
 
     @property
     def max_len(self) -> int:
-        return max(*self.prefill_lengths, max(self.decode_contexts) + self.decode_steps + 2)
+        """A context that holds every measured prompt (which must leave room for one output
+        token) and every decode context."""
+        longest_prompt = max(self.prefill_lengths) + 1
+        return max(longest_prompt, max(self.decode_contexts) + self.decode_steps + 2)
 
 
 class _Kept:
