@@ -39,7 +39,7 @@ from splitserve.planner.profile import ModelShape, UnitProfile
 class Points:
     """Where to measure. Prefill batches of more than ``max_prefill_tokens`` are skipped."""
 
-    prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2048)
+    prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2000)
     prefill_batches: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 4, 16, 64)
     decode_contexts: tuple[int, ...] = (64, 512, 1536)
