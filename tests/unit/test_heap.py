@@ -1,4 +1,5 @@
-"""The heap thresholds: large blocks stay in their own mappings after a larger one is freed."""
+"""The heap trimmer: free pages inside glibc's heap go back to the kernel, at most once per
+interval."""
 
 from __future__ import annotations
 
@@ -8,43 +9,60 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+from splitserve.serving.heap import HeapTrimmer
+
+glibc_only = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
 
 PROBE = """
 import ctypes, ctypes.util, sys
-from splitserve.serving.heap import fix_heap_thresholds
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+from splitserve.serving.heap import HeapTrimmer
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
 libc.free.argtypes = (ctypes.c_void_p,)
-libc.mallinfo2.restype = MallInfo2
-if sys.argv[1] == "fixed":
-    assert fix_heap_thresholds()
-libc.free(libc.malloc(16 << 20))  # glibc's default would now raise its threshold to 16 MiB
-before = libc.mallinfo2().hblks
-block = libc.malloc(2 << 20)
-print(libc.mallinfo2().hblks - before)
-libc.free(block)
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+libc.free(libc.malloc(16 << 20))  # glibc now serves blocks up to 16 MiB from the heap
+blocks = [libc.malloc(2 << 20) for _ in range(64)]
+for b in blocks:
+    ctypes.memset(b, 1, 2 << 20)
+for b in blocks[:-1:2]:  # holes: the heap's top stays in use, so glibc keeps them
+    libc.free(b)
+before = rss_mib()
+trimmer = HeapTrimmer(interval_s=0.0)
+if sys.argv[1] == "trim":
+    assert trimmer.maybe_trim()
+print(before - rss_mib())
 """
 
 
-def mapped_after_large_free(mode: str) -> int:
+def released_mib(mode: str) -> float:
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True
     )
-    return int(out.stdout)
+    return float(out.stdout)
 
 
-def test_default_glibc_keeps_the_block_on_the_heap() -> None:
-    assert mapped_after_large_free("default") == 0
+@glibc_only
+def test_free_holes_stay_resident_without_a_trim() -> None:
+    assert released_mib("keep") < 4
 
 
-def test_fixed_threshold_maps_the_block() -> None:
-    assert mapped_after_large_free("fixed") == 1
+@glibc_only
+def test_trim_returns_the_holes() -> None:
+    assert released_mib("trim") > 48  # 32 holes of 2 MiB
+
+
+@glibc_only
+def test_trims_at_most_once_per_interval() -> None:
+    trimmer = HeapTrimmer(interval_s=3600.0)
+    assert trimmer.available
+    assert not trimmer.maybe_trim()
+    trimmer.interval_s = 0.0
+    assert trimmer.maybe_trim()

@@ -17,6 +17,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.output import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import KVSource
+from splitserve.serving.heap import HeapTrimmer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class EngineLoop:
         self._stopped = False
         self._draining: str | None = None
         self.num_steps = 0
+        self.heap = HeapTrimmer()
 
     def start(self) -> None:
         self._thread.start()
@@ -159,6 +161,7 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             self._dispatch(outputs)
+            self.heap.maybe_trim()
         self._fail_all("server is shutting down", "unavailable")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

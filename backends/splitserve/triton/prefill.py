@@ -12,6 +12,7 @@ from splitserve.engine.build import build_components
 from splitserve.engine.prefill import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.serving import handoff
+from splitserve.serving.heap import HeapTrimmer
 from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
@@ -56,6 +57,7 @@ class PrefillModel:
         self.stats = InstanceStats()
         self.metrics = InstanceMetrics(args, self.stats, self._gauges)
         self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
+        self.heap = HeapTrimmer()
 
     def _gauges(self) -> dict[str, float]:
         allocator = self.engine.allocator
@@ -89,6 +91,7 @@ class PrefillModel:
             batch.append((i, req))
         if batch:
             self._run(batch, responses)
+            self.heap.maybe_trim()
         return responses
 
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:

@@ -8,7 +8,6 @@ import logging
 from typing import Any
 
 from splitserve.serving.config import ServingConfig, pin_to_cores
-from splitserve.serving.heap import fix_heap_thresholds
 from splitserve.triton.tensors import instance_index, model_parameters
 
 
@@ -19,7 +18,6 @@ def setup_instance(args: dict[str, Any], role: str) -> ServingConfig:
     )
     params = model_parameters(json.loads(args["model_config"]))
     cfg = ServingConfig.from_parameters({**params, "role": role})
-    fix_heap_thresholds()
     log = logging.getLogger("splitserve")
     name = args["model_instance_name"]
     if cfg.engine.device.startswith("cuda"):
