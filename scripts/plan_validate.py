@@ -41,6 +41,7 @@ from splitserve.planner.simulate import Traffic, run
 ROOT = Path(__file__).resolve().parents[1]
 BIN = ROOT / ".venv" / "bin" / "splitserve"
 HTTP, GRPC, METRICS = 18700, 18701, 18702
+TOKEN_OVERHEAD_MS = 0.3
 
 
 def wait_ready(proc: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
@@ -139,19 +140,28 @@ def validate_workload(
     out.mkdir(parents=True, exist_ok=True)
     max_len = min(args.max_model_len, profile.shape.max_model_len)
     traffic = Traffic.of_workload(workload, args.num_requests, max_len, args.seed)
-    base = default_limits(profile, args.kv_cache_bytes)
-    ranked = search(profile, traffic, slo, args.cores, base, progress=not args.no_progress)
-    picks = {
-        "planner": ranked[0].placement,
-        "default": default_placement(profile, args.cores, base),
-    }
+    if args.replay:
+        picks = {
+            name: Plan.load(args.replay / workload / f"{name}.json").placement
+            for name in ("planner", "default")
+        }
+    else:
+        base = default_limits(profile, args.kv_cache_bytes)
+        ranked = search(profile, traffic, slo, args.cores, base, progress=not args.no_progress)
+        picks = {
+            "planner": ranked[0].placement,
+            "default": default_placement(profile, args.cores, base),
+        }
     rows = []
     for name, placement in picks.items():
         plan = Plan(profile.model, profile.dtype, "cpu", max_len, placement, 0.0)
         predicted = goodput(profile, placement, traffic, slo, max_rate=args.rate_max).goodput_rps
         plan = replace(plan, predicted_goodput_rps=predicted)
         plan.save(out / f"{name}.json")
-        report = measure(out / f"{name}.json", args, workload, out)
+        if args.replay:
+            report = json.loads((args.replay / workload / f"{name}-bench.json").read_text())
+        else:
+            report = measure(out / f"{name}.json", args, workload, out)
         probes = sorted((r["rate"], r["attainment"]) for r in report["runs"])
         measured = float(report["summary"][0]["goodput_rps"] or 0.0)
         rates = sorted({*np.geomspace(args.rate_min, args.rate_max, 24).tolist(),
@@ -217,7 +227,16 @@ def main() -> None:
     )
     ap.add_argument("--profile", type=Path, help="reuse this profile instead of measuring one")
     ap.add_argument("--quick-profile", action="store_true", help="very few points (smoke runs)")
-    ap.add_argument("--token-overhead-ms", type=float, default=0.3)
+    ap.add_argument(
+        "--token-overhead-ms",
+        type=float,
+        help=f"per streamed token (default {TOKEN_OVERHEAD_MS}; replaces a --profile's own)",
+    )
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        help="an earlier --out: its placements and measurements, predicted again (no serving)",
+    )
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-bytes", type=int, default=2 << 30)
     ap.add_argument("--num-requests", type=int, default=40)
@@ -232,8 +251,12 @@ def main() -> None:
     model = (
         args.model if args.model == "tiny" or Path(args.model).is_dir() else checkpoint(args.model)
     )
+    token_ms = TOKEN_OVERHEAD_MS if args.token_overhead_ms is None else args.token_overhead_ms
+    overhead = ServingOverhead(token_s=token_ms / 1e3)
     if args.profile:
         profile = Profile.load(args.profile)
+        if args.token_overhead_ms is not None:
+            profile = replace(profile, serving=replace(profile.serving, token_s=overhead.token_s))
     else:
         counts = (
             [int(c) for c in args.profile_cores.split(",")]
@@ -243,7 +266,7 @@ def main() -> None:
         points = QUICK_POINTS if args.quick_profile else Points()
         profile = build_profile(
             model, "cpu", args.dtype, points, cores=counts,
-            serving=ServingOverhead(token_s=args.token_overhead_ms / 1e3),
+            serving=overhead,
             progress=not args.no_progress,
         )  # fmt: skip
         profile.save(args.out / "profile.json")
