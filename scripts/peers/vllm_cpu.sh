@@ -112,9 +112,11 @@ URL="http://127.0.0.1:$PORT/v1"
 echo "vllm_cpu.sh: $NAME ($CKPT) $DTYPE, VLLM_CPU_OMP_THREADS_BIND=$CORES, LD_PRELOAD=${LD_PRELOAD:-none}" >&2
 mkdir -p "$CACHE/logs"
 LOG="$CACHE/logs/vllm-$PORT.log"
+# No prefix caching: Splitserve has none, and `splitserve bench` sends the same prompts at every
+# rate it probes, so with it every probe after the first would find its prompts cached.
 setsid "$VENV/bin/python" "$LAUNCHER" serve "$CKPT" --served-model-name "$NAME" \
     --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-    --kv-cache-memory-bytes 4294967296 --seed 0 --disable-log-stats \
+    --kv-cache-memory-bytes 4294967296 --seed 0 --disable-log-stats --no-enable-prefix-caching \
     >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" > "$CACHE/vllm-$PORT.pid"
