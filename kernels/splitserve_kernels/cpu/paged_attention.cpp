@@ -189,6 +189,9 @@ void attend(
   const int64_t vec_dim = dim - dim % W;
   const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t n = len - first;
+  if (n <= 0) {
+    return;  // no keys: the output stays zero
+  }
   const int64_t stride = (n + W - 1) / W * W;  // scores of one head, padded to whole vectors
   float* qf = scratch.floats(0, s.heads * dim);
   float* acc = scratch.floats(1, s.heads * dim);
@@ -273,9 +276,6 @@ void decode_kernel(
     Scratch scratch;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = seq_lens[b];
-      if (len - (window > 0 ? std::max<int64_t>(0, len - window) : 0) <= 0) {
-        continue;
-      }
       const int64_t* table = tables + b * s.max_blocks;
       switch (s.dim) {
         case 64:
