@@ -1,11 +1,13 @@
 """The planner against reality: predicted vs measured goodput and attainment curves.
 
-For each workload: profile the checkpoint (once), let the planner pick a placement for the
-cores, serve that placement and the hand-picked default layout in turn (`splitserve serve
---plan`), measure each with `splitserve bench --goodput`, and simulate the very same requests
-(same lengths, same arrival times, same seed) at every rate the bench probed. Writes
-OUT/validate.json, OUT/<workload>.png (predicted lines, measured points) and prints the errors.
-Needs a quiet machine: anything else running skews both the profile and the measurement.
+For each workload: profile the checkpoint (once), calibrate the profile on the real server
+with that workload's lengths (`splitserve plan calibrate`: the default layout at one rate, other
+requests than those measured here), let the planner pick a placement for the cores, serve that
+placement and the hand-picked default layout in turn (`splitserve serve --plan`), measure each
+with `splitserve bench --goodput`, and simulate the very same requests (same lengths, same
+arrival times, same seed) at every rate the bench probed. Writes OUT/validate.json,
+OUT/<workload>.png (predicted lines, measured points) and prints the errors. Needs a quiet
+machine: anything else running skews both the profile and the measurement.
 
   python scripts/plan_validate.py --model 100m --workload chatbot --workload summarization \
       --ttft-slo 3 --tpot-slo 0.1 --cores 2 --num-requests 150 --rate-min 1 --out out/plan_validate
@@ -17,8 +19,7 @@ import argparse
 import json
 import os
 import subprocess
-import time
-import urllib.request
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,44 +38,27 @@ from splitserve.planner.plan import Plan
 from splitserve.planner.profile import Profile, ServingOverhead
 from splitserve.planner.search import SLO, default_placement, goodput, search
 from splitserve.planner.simulate import Traffic, run
+from splitserve_client.plan_calibrate import CalibrateOptions, calibrate
+from splitserve_client.served import served
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = ROOT / ".venv" / "bin" / "splitserve"
-HTTP, GRPC, METRICS = 18700, 18701, 18702
+CLI = (sys.executable, "-m", "splitserve_client.cli")
 TOKEN_OVERHEAD_MS = 0.3
-
-
-def wait_ready(proc: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"splitserve serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{HTTP}/v2/health/ready", timeout=2):
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise TimeoutError("the server did not become ready")
 
 
 def measure(plan_path: Path, args: argparse.Namespace, workload: str, out: Path) -> dict[str, Any]:
     """Serve the plan, run `splitserve bench --goodput` against it, return the bench report."""
     plan = Plan.load(plan_path)
     target = "llm_colocated" if plan.placement.mode == "colocated" else "llm"
-    log = (out / f"{plan_path.stem}-serve.log").open("w")
-    serve = subprocess.Popen(
-        [
-            *(str(BIN), "serve", "--plan", str(plan_path), "--host", "127.0.0.1"),
-            *("--http-port", str(HTTP), "--grpc-port", str(GRPC), "--metrics-port", str(METRICS)),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     report = out / f"{plan_path.stem}-bench.json"
-    try:
-        wait_ready(serve)
+    with served(plan_path, out / f"{plan_path.stem}-serve.log") as url:
         bench = [
-            *(str(BIN), "bench", "--url", f"127.0.0.1:{GRPC}", "--target", target),
+            *CLI,
+            "bench",
+            "--url",
+            url,
+            "--target",
+            target,
             *("--workload", workload, "--tokenizer", plan.model),
             *("--max-model-len", str(plan.max_model_len), "--goodput"),
             *("--rate-min", str(args.rate_min), "--rate-max", str(args.rate_max)),
@@ -86,11 +70,24 @@ def measure(plan_path: Path, args: argparse.Namespace, workload: str, out: Path)
         if args.no_progress:
             bench.append("--no-progress")
         subprocess.run(bench, check=True)
-    finally:
-        serve.send_signal(2)
-        serve.wait(60)
-        log.close()
     return json.loads(report.read_text())
+
+
+def crossing(probes: list[tuple[float, float]], attainment: float) -> float:
+    """Where attainment falls through ``attainment`` between the measured probes: log-linear
+    between the highest passing rate and the next (failing) one above it; that rate itself
+    when nothing above it was probed, 0 when nothing passed."""
+    passing = [r for r, a in probes if a >= attainment]
+    if not passing:
+        return 0.0
+    lo = max(passing)
+    above = [(r, a) for r, a in probes if r > lo]
+    if not above:
+        return lo
+    hi, a_hi = min(above)
+    a_lo = dict(probes)[lo]
+    frac = (a_lo - attainment) / (a_lo - a_hi)
+    return float(np.exp(np.log(lo) + frac * (np.log(hi) - np.log(lo))))
 
 
 def predicted_curve(
@@ -133,11 +130,34 @@ def plot(path: Path, workload: str, rows: list[dict[str, Any]], slo: SLO) -> Non
     fig.savefig(path, dpi=110)
 
 
+def calibrated(profile: Profile, args: argparse.Namespace, workload: str, out: Path) -> Profile:
+    """The profile calibrated on this workload's lengths (or as given: --replay, --no-calibrate,
+    or a --profile that was calibrated already)."""
+    path = out / "profile-calibrated.json"
+    if args.replay:
+        earlier = args.replay / workload / path.name
+        return Profile.load(earlier) if earlier.is_file() else profile
+    if args.no_calibrate:
+        return profile
+    opts = CalibrateOptions(
+        devices=args.cores,
+        workload=workload,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+        progress=not args.no_progress,
+    )
+    result = calibrate(profile, opts, out)
+    result.save(path)
+    print("\n".join(profile_lines(result)))
+    return result
+
+
 def validate_workload(
     profile: Profile, args: argparse.Namespace, workload: str, slo: SLO
 ) -> list[dict[str, Any]]:
     out = args.out / workload
     out.mkdir(parents=True, exist_ok=True)
+    profile = calibrated(profile, args, workload, out)
     max_len = min(args.max_model_len, profile.shape.max_model_len)
     traffic = Traffic.of_workload(workload, args.num_requests, max_len, args.seed)
     if args.replay:
@@ -164,6 +184,7 @@ def validate_workload(
             report = measure(out / f"{name}.json", args, workload, out)
         probes = sorted((r["rate"], r["attainment"]) for r in report["runs"])
         measured = float(report["summary"][0]["goodput_rps"] or 0.0)
+        interpolated = crossing(probes, slo.attainment)
         rates = sorted({*np.geomspace(args.rate_min, args.rate_max, 24).tolist(),
                         *(p[0] for p in probes)})  # fmt: skip
         curve = predicted_curve(profile, plan, traffic, slo, rates)
@@ -176,6 +197,10 @@ def validate_workload(
                 "predicted_goodput": predicted,
                 "measured_goodput": measured,
                 "goodput_error": (predicted - measured) / measured if measured else None,
+                "measured_crossing": interpolated,
+                "crossing_error": (
+                    (predicted - interpolated) / interpolated if interpolated else None
+                ),
                 "measured_probes": probes,
                 "predicted_at_probes": at_probes,
                 "attainment_mae": float(
@@ -189,9 +214,14 @@ def validate_workload(
 
 
 def summary_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    head = ("workload", "layout", "predicted", "measured", "error", "att. MAE", "placement")
-    lines = ["", "{:<14}{:<9}{:>10}{:>10}{:>8}{:>10}  {}".format(*head)]
+    head = ("workload", "layout", "predicted", "measured", "error", "crossing", "error",
+            "att. MAE", "placement")  # fmt: skip
+    lines = ["", "{:<14}{:<9}{:>10}{:>10}{:>8}{:>10}{:>8}{:>10}  {}".format(*head)]
     worst = 0.0
+
+    def pct(err: float | None) -> str:
+        return f"{'n/a' if err is None else f'{err:+.0%}':>8}"
+
     for workload, rows in results.items():
         for r in rows:
             err = r["goodput_error"]
@@ -199,8 +229,10 @@ def summary_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             cells = (workload, r["name"], r["predicted_goodput"], r["measured_goodput"])
             lines.append(
                 "{:<14}{:<9}{:>10.3f}{:>10.3f}".format(*cells)
-                + f"{'n/a' if err is None else f'{err:+.0%}':>8}{r['attainment_mae']:>10.3f}"
-                + f"  {r['placement']}"
+                + pct(err)
+                + f"{r['measured_crossing']:>10.3f}"
+                + pct(r["crossing_error"])
+                + f"{r['attainment_mae']:>10.3f}  {r['placement']}"
             )
         planner, default = rows[0]["measured_goodput"], rows[1]["measured_goodput"]
         gain = f"{planner / default:.2f}x" if default else "n/a (default layout: 0)"
@@ -231,6 +263,11 @@ def main() -> None:
         "--token-overhead-ms",
         type=float,
         help=f"per streamed token (default {TOKEN_OVERHEAD_MS}; replaces a --profile's own)",
+    )
+    ap.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="plan with the engine profile alone (no serving costs fitted on the real server)",
     )
     ap.add_argument(
         "--replay",

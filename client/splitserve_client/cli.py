@@ -226,6 +226,30 @@ def cmd_plan_profile(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def cmd_plan_calibrate(args: argparse.Namespace) -> None:
+    from splitserve.planner.commands import profile_lines
+    from splitserve.planner.profile import Profile
+    from splitserve_client.plan_calibrate import CalibrateOptions, calibrate
+    from splitserve_client.served import Ports
+
+    profile = Profile.load(args.profile)
+    opts = CalibrateOptions(
+        devices=args.cores or args.gpus,
+        workload=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_requests=args.num_requests,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+        ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
+        progress=not args.no_progress,
+    )
+    calibrated = calibrate(profile, opts, args.work_dir)
+    calibrated.save(args.out)
+    print("\n".join(profile_lines(calibrated)))
+    print(f"wrote {args.out}")
+
+
 def cmd_plan_search(args: argparse.Namespace) -> None:
     from splitserve.planner.commands import (
         default_limits,
@@ -325,6 +349,33 @@ def _add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-overhead-ms", type=float, default=0.0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_plan_profile)
+
+    c = psub.add_parser(
+        "calibrate",
+        help="serve the default placement, time it with the bench, fit the serving costs",
+    )
+    c.add_argument("--profile", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True, help="the calibrated profile")
+    devices = c.add_mutually_exclusive_group(required=True)
+    devices.add_argument("--cores", type=int, help="cores of the served placement")
+    devices.add_argument("--gpus", type=int, help="GPUs of the served placement")
+    c.add_argument(
+        "--workload",
+        choices=["chatbot", "code", "summarization", "fixed"],
+        default="fixed",
+        help="lengths of the loaded run: best the workload you plan for",
+    )
+    c.add_argument("--input-len", type=int, default=512)
+    c.add_argument("--output-len", type=int, default=128)
+    c.add_argument("--num-requests", type=int, default=150, help="requests of the loaded run")
+    c.add_argument("--max-model-len", type=int, default=2048)
+    c.add_argument("--kv-cache-bytes", type=int, help="KV pool per instance")
+    c.add_argument("--http-port", type=int, default=18700)
+    c.add_argument("--grpc-port", type=int, default=18701)
+    c.add_argument("--metrics-port", type=int, default=18702)
+    c.add_argument("--work-dir", type=Path, help="keep the bench reports and server log here")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cmd_plan_calibrate)
 
     s = psub.add_parser("search", help="simulate placements and rank them by goodput per device")
     s.add_argument("--profile", type=Path, required=True)

@@ -69,6 +69,11 @@ def profile_lines(profile: Profile) -> list[str]:
             )
     h = profile.handoff
     lines.append(f"  handoff {h.fixed_s * 1e3:.3f} ms + {h.bytes_per_s / 1e9:.1f} GB/s")
+    sv, c = profile.serving, profile.contention
+    lines.append(
+        f"  serving {sv.token_s * 1e3:.2f} ms per token, {sv.request_s * 1e3:.1f} ms per request;"
+        f" steps beside busy neighbours +{c.prefill:.0%} prefill, +{c.decode:.0%} decode"
+    )
     return lines
 
 

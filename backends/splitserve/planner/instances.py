@@ -2,7 +2,8 @@
 
 ``PrefillPool``: the ``prefill`` model's instances behind Triton's dynamic batcher (one queue;
 an idle instance takes up to ``max_batch_size`` requests once that many wait or the oldest has
-waited ``queue_delay``). A request's KV stays on its prefill instance until decode pulls it.
+waited ``queue_delay``). A request's KV stays on its prefill instance until decode pulls it;
+its first token goes out from its decode instance, between two of that instance's steps.
 
 ``EngineInstance``: one ``Engine`` as the scheduler runs it (``llm`` in disagg, and
 ``llm_colocated``). Each step decodes every running request, admits handed-over requests (the
@@ -10,6 +11,7 @@ KV copy adds to the step), and prefills waiting prompts within ``max_num_batched
 or in chunks); its time is the decode fit plus the prefill fit plus the handoffs plus the
 per-token sending cost. When the pool cannot grow, the newest running request is preempted and
 recomputed later. KV in blocks is approximated as ``tokens / block_size + 1/2`` per sequence.
+Both stretch their steps by what the instances beside them cost (``Machine``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from splitserve.planner.events import Clock, SimRequest
 from splitserve.planner.fit import DecodeFit, HandoffFit, PrefillFit
+from splitserve.planner.machine import Machine
 from splitserve.planner.placement import Limits
 
 
@@ -45,12 +48,16 @@ class PrefillPool:
     def __init__(
         self,
         clock: Clock,
+        machine: Machine,
         instances: int,
+        units: int,
         model: StepModel,
         limits: Limits,
         on_done: Callable[[SimRequest], None],
     ) -> None:
         self.clock = clock
+        self.machine = machine
+        self.units = units
         self.model = model
         self.max_batch = limits.prefill_max_batch_size
         self.delay = limits.prefill_queue_delay_s
@@ -89,7 +96,9 @@ class PrefillPool:
             self.idle.remove(inst)
             tokens = sum(r.input_len for r in batch)
             sq = sum(r.input_len**2 for r in batch)
-            done_at = self.clock.now + self.model.prefill(tokens, sq)
+            seconds = self.machine.step_seconds(self.units, self.model.prefill(tokens, sq), 0.0)
+            self.machine.begin(self.units)
+            done_at = self.clock.now + seconds
             self.clock.at(done_at, lambda inst=inst, batch=batch: self._finish(inst, batch))
 
     def _on_timer(self) -> None:
@@ -97,10 +106,10 @@ class PrefillPool:
         self._dispatch()
 
     def _finish(self, inst: int, batch: list[SimRequest]) -> None:
+        self.machine.end(self.units)
         self.idle.append(inst)
         for req in batch:
             req.computed = req.input_len
-            req.emit(self.clock.now)
             blocks = self._blocks(req)
             req.release = lambda inst=inst, blocks=blocks: self._release(inst, blocks)
             self.on_done(req)
@@ -115,17 +124,23 @@ class EngineInstance:
     def __init__(
         self,
         clock: Clock,
+        machine: Machine,
+        units: int,
         model: StepModel,
         limits: Limits,
     ) -> None:
         self.clock = clock
+        self.machine = machine
+        self.units = units
         self.model = model
         self.limits = limits
         self.capacity = model.capacity_blocks(limits.kv_cache_bytes)
         self.waiting: deque[SimRequest] = deque()
         """Prompts to compute: new (colocated) or preempted ones."""
         self.arrived: deque[SimRequest] = deque()
-        """Prefilled elsewhere, KV not yet pulled."""
+        """Prefilled elsewhere, first token sent, KV not yet pulled."""
+        self.announcing: list[SimRequest] = []
+        """Prefilled elsewhere while a step ran: their first tokens go out when it ends."""
         self.decoding: dict[int, SimRequest] = {}
         """In join order: the last one is the newest."""
         self.prefilling: list[SimRequest] = []
@@ -153,8 +168,19 @@ class EngineInstance:
         self._kick()
 
     def add_prefilled(self, req: SimRequest) -> None:
-        self.arrived.append(req)
+        if self.busy:
+            self.announcing.append(req)
+            return
+        self._announce(req)
         self._kick()
+
+    def _announce(self, req: SimRequest) -> None:
+        req.emit(self.clock.now)
+        if not req.done:
+            self.arrived.append(req)
+        elif req.release is not None:
+            req.release()
+            req.release = None
 
     def _kick(self) -> None:
         if not self.busy and (self.waiting or self.arrived or self.decoding or self.prefilling):
@@ -182,7 +208,7 @@ class EngineInstance:
 
     def _run_step(self) -> None:
         lim, m = self.limits, self.model
-        seconds = 0.0
+        decode_s = 0.0
         while self.decoding and self._used_blocks(len(self.decoding)) > self.capacity:
             self._preempt_newest()
         while self.arrived and len(self.decoding) + len(self.prefilling) < lim.max_num_seqs:
@@ -190,23 +216,26 @@ class EngineInstance:
             if self._used_blocks(req.num_tokens + 1, 1) > self.capacity:
                 break
             self.arrived.popleft()
-            seconds += m.handoff(req.input_len * m.kv_bytes_per_token)
+            decode_s += m.handoff(req.input_len * m.kv_bytes_per_token)
             if req.release is not None:
                 req.release()
                 req.release = None
             self._join(req)
         batch = len(self.decoding)
         if batch:
-            seconds += m.decode(batch, self.context)
+            decode_s += m.decode(batch, self.context)
         chunks = self._schedule_prefills(lim.max_num_batched_tokens - batch)
+        prefill_s = 0.0
         if chunks:
             tokens = sum(n for _, n in chunks)
             sq = sum(n * n + 2 * n * r.computed for r, n in chunks)
-            seconds += m.prefill(tokens, sq)
+            prefill_s = m.prefill(tokens, sq)
         finishing = sum(1 for r, n in chunks if r.computed + n == r.num_tokens)
-        seconds += m.token_s * (batch + finishing)
+        decode_s += m.token_s * (batch + finishing)
         if not (batch or chunks):
             return
+        seconds = self.machine.step_seconds(self.units, prefill_s, decode_s)
+        self.machine.begin(self.units)
         self.busy = True
         self.clock.at(self.clock.now + seconds, lambda: self._end_step(chunks))
 
@@ -256,5 +285,9 @@ class EngineInstance:
             req.emit(now)
             if not req.done:
                 self._join(req)
+        self.machine.end(self.units)
         self.busy = False
+        for req in self.announcing:
+            self._announce(req)
+        self.announcing.clear()
         self._kick()

@@ -45,6 +45,18 @@ class ServingOverhead:
 
 
 @dataclass(frozen=True)
+class Contention:
+    """How much longer a step takes while the instances on the other cores are in steps of
+    their own: 0.25 is 25 % longer when all of them are busy, in proportion when some are.
+    Cores share memory bandwidth and caches, and the server's and the client's own threads
+    run on them too; fitted on the real server (``splitserve.planner.calibrate``). Zero for
+    GPUs, whose instances share nothing."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+
+
+@dataclass(frozen=True)
 class UnitProfile:
     """Fits for one instance size, and the samples they were fitted to."""
 
@@ -85,6 +97,7 @@ class Profile:
     handoff: HandoffFit
     units: dict[int, UnitProfile]
     serving: ServingOverhead = field(default_factory=ServingOverhead)
+    contention: Contention = field(default_factory=Contention)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -113,6 +126,7 @@ class Profile:
             "shape": asdict(self.shape),
             "handoff": self.handoff.to_dict(),
             "serving": asdict(self.serving),
+            "contention": asdict(self.contention),
             "units": {str(n): u.to_dict() for n, u in sorted(self.units.items())},
         }
 
@@ -130,6 +144,7 @@ class Profile:
             handoff=HandoffFit.from_dict(d["handoff"]),
             units={int(n): UnitProfile.from_dict(u) for n, u in d["units"].items()},
             serving=ServingOverhead(**d.get("serving", {})),
+            contention=Contention(**d.get("contention", {})),
         )
 
     def save(self, path: Path) -> None:

@@ -1,8 +1,9 @@
 """Discrete-event simulation of a placement under open-loop traffic.
 
 Disaggregated: a request arrives at ``llm`` (instances taken in turn), waits ``request_s`` (the
-adapter and the BLS call), queues at ``prefill``; its first token leaves when its prefill batch
-ends; its decode instance pulls the KV when it has room and streams the rest. Colocated: the
+adapter and the BLS call), queues at ``prefill``; when its prefill batch ends, its decode
+instance sends the first token between two steps, pulls the KV when it has room and streams
+the rest. Colocated: the
 request queues at an ``llm_colocated`` instance (in turn) whose engine mixes its prompt pass
 with the running decodes. Traffic is the bench's: the same length distributions and arrival
 processes, with the same seeds, so a simulated run predicts a measured one request for request.
@@ -19,6 +20,7 @@ import numpy as np
 
 from splitserve.planner.events import Clock, SimRequest
 from splitserve.planner.instances import EngineInstance, PrefillPool, StepModel
+from splitserve.planner.machine import Machine
 from splitserve.planner.placement import Placement, Role
 from splitserve.planner.profile import Profile
 from splitserve_client.bench.arrivals import arrival_times
@@ -113,6 +115,7 @@ def simulate(
 ) -> list[SimRequest]:
     """Run the placement over requests arriving at ``times``; returns them, finished or not."""
     clock = Clock()
+    machine = Machine(profile.contention, placement.devices)
     lim = placement.limits
     reqs = [
         SimRequest(i, float(t), inp, out)
@@ -122,25 +125,20 @@ def simulate(
 
     if placement.mode == "disagg":
         assert placement.prefill is not None and placement.decode is not None
+        decode = placement.decode
         decoders = [
-            EngineInstance(clock, step_model(profile, placement.decode), lim)
-            for _ in range(placement.decode.instances)
+            EngineInstance(clock, machine, decode.units, step_model(profile, decode), lim)
+            for _ in range(decode.instances)
         ]
         owner: dict[int, EngineInstance] = {}
-
-        def prefilled(req: SimRequest) -> None:
-            if req.done:
-                if req.release is not None:
-                    req.release()
-                return
-            owner[req.idx].add_prefilled(req)
-
         pool = PrefillPool(
             clock,
+            machine,
             placement.prefill.instances,
+            placement.prefill.units,
             step_model(profile, placement.prefill),
             lim,
-            prefilled,
+            lambda req: owner[req.idx].add_prefilled(req),
         )
         turn = cycle(decoders)
         for req in reqs:
@@ -148,8 +146,11 @@ def simulate(
             clock.at(req.arrival + delay, lambda req=req: pool.submit(req))
     else:
         assert placement.colocated is not None
-        model = step_model(profile, placement.colocated)
-        engines = [EngineInstance(clock, model, lim) for _ in range(placement.colocated.instances)]
+        role = placement.colocated
+        model = step_model(profile, role)
+        engines = [
+            EngineInstance(clock, machine, role.units, model, lim) for _ in range(role.instances)
+        ]
         for req, engine in zip(reqs, cycle(engines)):
             clock.at(req.arrival + delay, lambda req=req, e=engine: e.add_prompt(req))
     clock.run()

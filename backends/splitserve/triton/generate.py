@@ -19,6 +19,7 @@ from splitserve.serving.frontend import Prepared, prepare
 from splitserve.serving.inputs import InputError
 from splitserve.serving.loop import EngineLoop
 from splitserve.serving.stats import InstanceStats, record_transport
+from splitserve.serving.threads import on_own_thread
 from splitserve.triton.metrics import InstanceMetrics
 from splitserve.triton.setup import setup_instance
 from splitserve.triton.sink import SenderThread, TritonSink
@@ -35,15 +36,9 @@ class GenerateModelBase:
     def initialize(self, args: dict[str, Any]) -> None:
         self.cfg: ServingConfig = setup_instance(args, self.role)
         self.instance_name = args["model_instance_name"]
-        self.parts: Components = build_components(self.cfg.engine)
-        pool = self.make_pool()
-        engine = Engine(
-            self.parts.model,
-            pool,
-            self.parts.tokenizer,
-            scheduler_limits(self.cfg.engine),
-            self.parts.max_model_len,
-        )
+        # CUDA's current device is per thread, and setup_instance set it on this one.
+        gpu = self.cfg.engine.device.startswith("cuda")
+        engine = self._build_engine() if gpu else on_own_thread(self._build_engine)
         self.stats = InstanceStats(self.cfg.max_queue)
         self.metrics = InstanceMetrics(
             args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
@@ -54,6 +49,18 @@ class GenerateModelBase:
             engine, self.cfg.cancel_poll_s, name=f"{self.role}-engine", after_step=self._after_step
         )
         self.loop.start()
+
+    def _build_engine(self) -> Engine:
+        """Everything that runs torch ops before serving; on a thread of its own, so that the
+        engine loop's OpenMP team is the process's only one (``serving.threads``)."""
+        self.parts: Components = build_components(self.cfg.engine)
+        return Engine(
+            self.parts.model,
+            self.make_pool(),
+            self.parts.tokenizer,
+            scheduler_limits(self.cfg.engine),
+            self.parts.max_model_len,
+        )
 
     def make_pool(self) -> KVPool:
         return self.parts.new_pool()

@@ -45,8 +45,9 @@ class BenchOptions:
     progress: bool = True
 
 
-def build_requests(opts: BenchOptions) -> list[Request]:
-    lengths = workload_lengths(
+def build_lengths(opts: BenchOptions) -> list[tuple[int, int]]:
+    """(input, output) tokens of each request, in arrival order."""
+    return workload_lengths(
         opts.workload,
         opts.num_requests,
         opts.max_model_len,
@@ -54,7 +55,11 @@ def build_requests(opts: BenchOptions) -> list[Request]:
         input_len=opts.input_len,
         output_len=opts.output_len,
     )
-    return make_requests(lengths, prompt_maker(load_bench_tokenizer(opts.tokenizer)), opts.seed)
+
+
+def build_requests(opts: BenchOptions) -> list[Request]:
+    tokenizer = load_bench_tokenizer(opts.tokenizer)
+    return make_requests(build_lengths(opts), prompt_maker(tokenizer), opts.seed)
 
 
 async def _bench_target(
