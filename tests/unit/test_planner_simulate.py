@@ -93,3 +93,15 @@ def test_colocated_single_request_pays_prefill_decode_and_serving_costs() -> Non
     result = run(profile, placement, Traffic(((100, 10),), "fixed"), 1.0)
     assert result.ttft[0] == pytest.approx(0.05 + 0.01 + 100 * 1e-4 + 0.001)
     assert result.tpot[0] == pytest.approx(0.021)
+
+
+def test_a_streamed_token_costs_a_cpu_step_once_per_core_of_the_instance() -> None:
+    """Same fits at 1 and 2 cores: the 2-core instance pays the per-token cost twice (the other
+    threads' work stalls its whole OpenMP team); on GPUs once."""
+    serving = ServingOverhead(token_s=0.001)
+    decode = DecodeFit((DecodeRange(1, 0.02, 0.0, 0.0),))
+    traffic = Traffic(((100, 10),), "fixed")
+    for device, per_token in (("cpu", 0.002), ("gpu", 0.001)):
+        profile = synthetic_profile(decode=decode, units=(1, 2), serving=serving, device=device)
+        wide = run(profile, Placement("colocated", colocated=Role(1, 2)), traffic, 1.0)
+        assert wide.tpot[0] == pytest.approx(0.02 + per_token)

@@ -99,14 +99,18 @@ class SimResult:
 
 
 def step_model(profile: Profile, role: Role) -> StepModel:
+    """The step times of one of ``role``'s instances. On CPUs a streamed token costs a step
+    its serving cost once per core: that work (the sender thread, tritonserver, the client)
+    preempts one thread of the instance's OpenMP team while the others wait at the barrier."""
     unit = profile.unit(role.units)
+    per_core = role.units if profile.device == "cpu" else 1
     return StepModel(
         prefill=unit.prefill,
         decode=unit.decode,
         handoff=profile.handoff,
         kv_bytes_per_token=profile.shape.kv_bytes_per_token,
         block_size=profile.shape.block_size,
-        token_s=profile.serving.token_s,
+        token_s=profile.serving.token_s * per_core,
     )
 
 
