@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from splitserve.planner.placement import Placement
+from splitserve.planner.placement import Placement, Role
 from splitserve.planner.profile import Contention, Profile
 from splitserve.planner.simulate import Traffic, run
 
@@ -52,10 +52,11 @@ class Observed:
         )
 
 
-def prefill_units(placement: Placement) -> int:
+def _prompt_role(placement: Placement) -> Role:
+    """The role whose instances run the prompt passes."""
     role = placement.prefill or placement.colocated
     assert role is not None
-    return role.units
+    return role
 
 
 def loaded_rate(
@@ -64,8 +65,7 @@ def loaded_rate(
     """The rate at which prompts of these lengths keep the placement's prefill instances
     ``busy`` (a fraction) by the profile: load enough that both phases run side by side most
     of the time, little enough that queues stay short."""
-    role = placement.prefill or placement.colocated
-    assert role is not None
+    role = _prompt_role(placement)
     fit = profile.unit(role.units).prefill
     mean_s = float(np.mean([fit(n, n * n) for n in input_lens]))
     return busy * role.instances / mean_s
@@ -74,7 +74,7 @@ def loaded_rate(
 def fit_request_s(profile: Profile, placement: Placement, alone: Observed) -> float:
     """Median TTFT of requests that had the server to themselves, less their profiled prefill
     (never below zero)."""
-    fit = profile.unit(prefill_units(placement)).prefill
+    fit = profile.unit(_prompt_role(placement).units).prefill
     extra = [t - fit(n, n * n) for t, (n, _) in zip(alone.ttft, alone.lengths, strict=True)]
     return max(0.0, float(np.nanmedian(extra)))
 
