@@ -82,3 +82,28 @@ def test_other_dtypes_use_the_reference():
     q, cache, tables, lens = _case(6, 2, torch.float64, [3, 8])
     got = kernels.paged_decode_attention(q, cache, 0, tables, lens, 0.3)
     torch.testing.assert_close(got, reference(q, cache, 0, tables, lens, 0.3))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 4), (16, 4), (10, 2), (4, 4)])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize(("block", "window"), [(16, None), (32, None), (16, 21), (48, 37)])
+def test_bfloat16_chunks_groups_and_windows(heads, kv_heads, dim, block, window):
+    lens = [1, 15, 16, 17, 33, 64, 70]
+    q, cache, tables, lens_t = _case(heads, kv_heads, torch.bfloat16, lens, block=block, dim=dim)
+    got = cpu.paged_decode_attention(q, cache, 1, tables, lens_t, dim**-0.5, window)
+    want = reference(q.float(), cache.float(), 1, tables, lens_t, dim**-0.5, window)
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=2e-2, atol=2e-2)
+
+
+def test_threads_split_uneven_batches_without_changing_results():
+    q, cache, tables, lens = _case(6, 2, torch.float32, [90, 1, 2, 3, 70, 5], dim=64, block=16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.paged_decode_attention(q, cache, 0, tables, lens, 0.2)
+        torch.set_num_threads(2)
+        two = cpu.paged_decode_attention(q, cache, 0, tables, lens, 0.2)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(two, one, rtol=0, atol=0)
+    torch.testing.assert_close(one, reference(q, cache, 0, tables, lens, 0.2), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -18,7 +19,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / name for name in ("module.cpp", "paged_attention.cpp")]
+_HEADERS = [_HERE / "vec.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What the kernels take; other dtypes use the references."""
@@ -28,6 +31,13 @@ def enabled() -> bool:
     return os.environ.get("SPLITSERVE_KERNELS") != "reference"
 
 
+def _headers_digest() -> str:
+    """Torch rebuilds when a source or a flag changes, not a header: the headers' digest goes
+    into a flag."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS))
+    return digest.hexdigest()[:16]
+
+
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled module, or None where kernels are off or the build failed."""
@@ -35,12 +45,12 @@ def extension() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
-    log.info("loading the CPU attention kernel (compiled once, then cached)")
+    log.info("loading the CPU kernels (compiled once, then cached)")
     try:
         return load(
             "splitserve_cpu_kernels",
             [str(p) for p in _SOURCES],
-            extra_cflags=_FLAGS,
+            extra_cflags=[*_FLAGS, f"-DSPLITSERVE_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # a missing compiler or headers: run on the reference instead
