@@ -1,6 +1,7 @@
 """Kernels behind one signature each: an OpenAI Triton kernel (``gpu/``) chosen per call for
-CUDA tensors, its pure-torch reference (``reference/``) everywhere else (see ``dispatch``).
-Prefill attention, KV writes and gathers use the references on every device."""
+CUDA tensors, a C++ kernel (``cpu/``) for CPU tensors where one exists, the pure-torch reference
+(``reference/``) everywhere else (see ``dispatch``). Prefill attention and KV gathers use the
+references on every device."""
 
 from splitserve_kernels.dispatch import (
     add_rms_norm,
@@ -10,7 +11,9 @@ from splitserve_kernels.dispatch import (
     paged_decode_attention,
     prepare,
     rms_norm,
+    rotary_write_kv,
     scatter_kv_blocks,
+    silu_mul_,
     triton_available,
     uses_kernel,
 )
@@ -25,7 +28,9 @@ __all__ = [
     "paged_decode_attention",
     "prepare",
     "rms_norm",
+    "rotary_write_kv",
     "scatter_kv_blocks",
+    "silu_mul_",
     "triton_available",
     "uses_kernel",
     "varlen_prefill_attention",

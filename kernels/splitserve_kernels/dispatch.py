@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import attention, blocks, norm, rope
+from splitserve_kernels.reference import activation, attention, blocks, norm, rope
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -45,12 +45,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    if uses_kernel(q):
-        impl = _gpu("attention")
-    elif q.device.type == "cpu" and q.dtype in cpu.DTYPES and cpu.extension() is not None:
-        impl = cpu
-    else:
-        impl = attention
+    impl = _gpu("attention") if uses_kernel(q) else cpu if cpu.usable(q) else attention
     return impl.paged_decode_attention(
         q, cache, layer, block_tables, seq_lens, scale, sliding_window
     )
@@ -78,15 +73,43 @@ def scatter_kv_blocks(pool: torch.Tensor, ids: torch.Tensor, data: torch.Tensor)
     impl.scatter_kv_blocks(pool, ids, data)
 
 
+def _norm(x: torch.Tensor) -> ModuleType:
+    return _gpu("norm") if uses_kernel(x) else cpu if cpu.usable(x) else norm
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return (_gpu("norm") if uses_kernel(x) else norm).rms_norm(x, weight, eps)
+    return _norm(x).rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_gpu("norm") if uses_kernel(x) else norm).add_rms_norm(x, residual, weight, eps)
+    return _norm(x).add_rms_norm(x, residual, weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return (_gpu("rope") if uses_kernel(x) else rope).apply_rotary(x, cos, sin)
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    cache: torch.Tensor,
+    layer: int,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated queries ``[T, heads, head_dim]`` of a fused ``qkv``; keys and values go to their
+    cache slots (see ``reference.rope.rotary_write_kv``)."""
+    args = (qkv, cos, sin, heads, cache, layer, slot_blocks, slot_offsets)
+    if cpu.usable(qkv) and cache.is_contiguous():
+        return cpu.rotary_write_kv(*args)
+    return rope.rotary_write_kv(*args, rotary=apply_rotary)
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` into ``gate``."""
+    fused = cpu.usable(gate) and gate.is_contiguous() and up.is_contiguous()
+    return (cpu if fused else activation).silu_mul_(gate, up)

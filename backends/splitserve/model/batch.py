@@ -12,8 +12,8 @@ class ForwardBatch:
     """A packed batch of ``T`` new tokens from ``B`` sequences.
 
     Decode batches (``is_decode``) carry one token per sequence and use ``block_tables`` and
-    ``seq_lens``; prefill batches carry ``cu_seqlens_q``/``cu_seqlens_k`` and, for sequences with
-    cached context (chunked or recomputed prompts), the block tables to gather it from.
+    ``seq_lens``; prefill batches carry ``cu_seqlens_q``/``cu_seqlens_k`` and each sequence's
+    block table, to gather its keys and values (cached context and this pass's) from.
     """
 
     input_ids: torch.Tensor
@@ -27,10 +27,6 @@ class ForwardBatch:
     cu_seqlens_q: list[int] | None = None
     context_lens: list[int] | None = None
     seq_block_tables: list[torch.Tensor] | None = None
-
-    @property
-    def has_context(self) -> bool:
-        return bool(self.context_lens) and any(self.context_lens)
 
     @property
     def cu_seqlens_k(self) -> list[int]:

@@ -51,55 +51,52 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        pending: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: ForwardBatch,
         cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual, mlp_out)``: ``pending`` is the previous layer's MLP output, added to the
+        residual stream ``h`` by the norm that reads it (None before the first layer)."""
         cfg = self.cfg
-        x = kernels.rms_norm(h, self.input_layernorm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        if pending is None:
+            x = kernels.rms_norm(h, self.input_layernorm, eps)
+        else:
+            x, h = kernels.add_rms_norm(pending, h, self.input_layernorm, eps)
         packed = self.packed
         qkv = linear(x, self.qkv_proj, self.qkv_bias, packed.get("qkv_proj"))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = kernels.apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = kernels.apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        kernels.write_kv(cache, self.index, k, v, batch.slot_blocks, batch.slot_offsets)
-        attn = self._attention(q, k, v, batch, cache)
+        q = kernels.rotary_write_kv(
+            qkv, cos, sin, cfg.num_heads, cache, self.index, batch.slot_blocks, batch.slot_offsets
+        )
+        attn = self._attention(q, batch, cache)
         o = linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
-        x, h = kernels.add_rms_norm(o, h, self.post_attention_layernorm, cfg.rms_norm_eps)
+        x, h = kernels.add_rms_norm(o, h, self.post_attention_layernorm, eps)
         # Separate gate/up matmuls: halves of one fused output are strided, and silu/mul on
         # strided views run several times slower than on contiguous tensors.
-        act = F.silu(linear(x, self.gate_proj, None, packed.get("gate_proj")), inplace=True)
-        act.mul_(linear(x, self.up_proj, None, packed.get("up_proj")))
-        return h + linear(act, self.down_proj, None, packed.get("down_proj"))
+        act = kernels.silu_mul_(
+            linear(x, self.gate_proj, None, packed.get("gate_proj")),
+            linear(x, self.up_proj, None, packed.get("up_proj")),
+        )
+        return h, linear(act, self.down_proj, None, packed.get("down_proj"))
 
-    def _attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: ForwardBatch,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Attention of ``q`` over the keys and values already in ``cache`` (this batch's too)."""
         window = self.cfg.sliding_window
         if batch.is_decode:
             assert batch.block_tables is not None and batch.seq_lens is not None
             return kernels.paged_decode_attention(
                 q, cache, self.index, batch.block_tables, batch.seq_lens, self.scale, window
             )
-        assert batch.cu_seqlens_q is not None
-        if batch.has_context:
-            assert batch.seq_block_tables is not None and batch.context_lens is not None
-            cu_k = batch.cu_seqlens_k
-            parts = [
-                kernels.gather_kv(cache, self.index, table, cu_k[i + 1] - cu_k[i])
-                for i, table in enumerate(batch.seq_block_tables)
-            ]
-            k = torch.cat([p[0] for p in parts])
-            v = torch.cat([p[1] for p in parts])
-        else:
-            cu_k = batch.cu_seqlens_q
+        assert batch.cu_seqlens_q is not None and batch.seq_block_tables is not None
+        cu_k = batch.cu_seqlens_k
+        parts = [
+            kernels.gather_kv(cache, self.index, table, cu_k[i + 1] - cu_k[i])
+            for i, table in enumerate(batch.seq_block_tables)
+        ]
+        k = torch.cat([p[0] for p in parts])
+        v = torch.cat([p[1] for p in parts])
         return kernels.varlen_prefill_attention(
             q, k, v, batch.cu_seqlens_q, cu_k, self.scale, window
         )
@@ -138,8 +135,10 @@ class LlamaForCausalLM(nn.Module):
         """Logits (float32) ``[len(batch.logits_indices), vocab]``; writes the batch's KV."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(batch.positions, self.dtype)
+        pending = None
         for layer in self.layers:
-            h = layer(h, cos, sin, batch, cache)
-        h = h[batch.logits_indices]
-        h = kernels.rms_norm(h, self.norm, self.cfg.rms_norm_eps)
-        return linear(h, self.lm_head, None, self.lm_head_packed).float()
+            h, pending = layer(h, pending, cos, sin, batch, cache)
+        assert pending is not None, "a model has at least one layer"
+        rows = batch.logits_indices
+        x, _ = kernels.add_rms_norm(pending[rows], h[rows], self.norm, self.cfg.rms_norm_eps)
+        return linear(x, self.lm_head, None, self.lm_head_packed).float()

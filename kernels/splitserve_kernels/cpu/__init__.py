@@ -1,4 +1,5 @@
-"""C++ kernels for CPUs, compiled on first use with the local compiler.
+"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU), compiled on first
+use with the local compiler.
 
 The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``) and reused by every later process; a source change rebuilds it.
@@ -20,11 +21,19 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / name for name in ("module.cpp", "paged_attention.cpp")]
-_HEADERS = [_HERE / "vec.h"]
+_SOURCES = [
+    _HERE / name
+    for name in ("module.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp")
+]
+_HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What the kernels take; other dtypes use the references."""
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether the kernels here take ``t``: a CPU tensor of one of DTYPES, the build done."""
+    return t.device.type == "cpu" and t.dtype in DTYPES and extension() is not None
 
 
 def enabled() -> bool:
@@ -58,6 +67,12 @@ def extension() -> ModuleType | None:
         return None
 
 
+def _ext() -> ModuleType:
+    ext = extension()
+    assert ext is not None
+    return ext
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -69,8 +84,41 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Same contract as ``reference.attention.paged_decode_attention``, for CPU tensors; reads the
     cache in place. Only called where ``extension()`` built."""
-    ext = extension()
-    assert ext is not None
-    return ext.paged_decode_attention(
+    return _ext().paged_decode_attention(
         q, cache, layer, block_tables, seq_lens, scale, sliding_window or -1
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference.norm.rms_norm`` for CPU tensors ``[..., hidden]``."""
+    return _ext().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.norm.add_rms_norm`` for CPU tensors ``[..., hidden]``."""
+    flat = (x.reshape(-1, x.shape[-1]).contiguous(), residual.reshape(-1, x.shape[-1]).contiguous())
+    out, total = _ext().add_rms_norm(*flat, weight, eps)
+    return out.view(x.shape), total.view(x.shape)
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    cache: torch.Tensor,
+    layer: int,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """``reference.rope.rotary_write_kv`` for CPU tensors, in one pass over the tokens."""
+    return _ext().rotary_write_kv(
+        qkv.contiguous(), cos, sin, heads, cache, layer, slot_blocks, slot_offsets
+    )
+
+
+def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``reference.activation.silu_mul_`` for contiguous CPU tensors."""
+    return _ext().silu_mul_(gate, up)

@@ -1,10 +1,23 @@
-// The Python module of the CPU kernels: one entry per kernel file.
+// The Python module of the CPU kernels: one entry per kernel.
 #include <torch/extension.h>
+
+#include <tuple>
 
 torch::Tensor paged_decode_attention(
     torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor block_tables,
     torch::Tensor seq_lens, double scale, int64_t window);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(
+    torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rotary_write_kv(
+    torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, torch::Tensor cache,
+    int64_t layer, torch::Tensor slot_blocks, torch::Tensor slot_offsets);
+torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rotary_write_kv", &rotary_write_kv);
+  m.def("silu_mul_", &silu_mul_);
 }

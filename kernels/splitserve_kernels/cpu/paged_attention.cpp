@@ -20,6 +20,7 @@
 
 #include <vector>
 
+#include "dtypes.h"
 #include "vec.h"
 
 using namespace splitserve;
@@ -246,7 +247,7 @@ inline void softmax(float* s, int64_t n) {
   }
   vf total = splat(0.0f);
   for (i = 0; i + W <= n; i += W) {
-    const vf e = exp_nonpositive(load(s + i) - m);
+    const vf e = vexp(load(s + i) - m);
     store(s + i, e);
     total += e;
   }
@@ -399,26 +400,12 @@ torch::Tensor paged_decode_attention(
                     layer * 2 * half_stride,
                     cache.size(3),
                     tables.size(1)};
-  auto run = [&](auto zero) {
+  by_dtype(q, "paged_decode_attention", [&](auto zero) {
     using scalar_t = decltype(zero);
     decode_kernel<scalar_t>(
         qc.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
         tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), qc.size(0), shape,
         static_cast<float>(scale), window);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      run(float{});
-      break;
-    case at::kBFloat16:
-      run(c10::BFloat16{});
-      break;
-    case at::kHalf:
-      run(c10::Half{});
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention: float32, bfloat16 or float16, got ",
-                  q.scalar_type());
-  }
+  });
   return out;
 }

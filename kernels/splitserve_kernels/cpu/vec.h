@@ -62,6 +62,54 @@ inline float load1(const scalar_t* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
 
+// Rounds each lane to scalar_t's precision, to nearest even, as torch rounds an op's float
+// result (NaN aside): chained ops then round where torch's eager ops round.
+template <typename scalar_t>
+inline vf round_to(vf v);
+
+template <>
+inline vf round_to<float>(vf v) {
+  return v;
+}
+
+template <>
+inline vf round_to<c10::BFloat16>(vf v) {
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+template <>
+inline vf round_to<c10::Half>(vf v) {
+  return __builtin_convertvector(__builtin_convertvector(v, vhf), vf);
+}
+
+// Stores 16 floats as scalar_t, rounded to nearest even.
+template <typename scalar_t>
+inline void store16(scalar_t* p, vf v);
+
+template <>
+inline void store16<float>(float* p, vf v) {
+  store(p, v);
+}
+
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, vf v) {
+  v = round_to<c10::BFloat16>(v);
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vh raw = __builtin_convertvector(bits >> 16, vh);
+  std::memcpy(p, &raw, sizeof(raw));
+}
+
+template <>
+inline void store16<c10::Half>(c10::Half* p, vf v) {
+  const vhf raw = __builtin_convertvector(v, vhf);
+  std::memcpy(p, &raw, sizeof(raw));
+}
+
 inline float hsum(vf v) {
   const vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -103,10 +151,11 @@ inline vf transpose_sum(const vf (&p)[W]) {
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// exp for x <= 0 (scores minus their maximum), to about 2 ulp: 2^n * p(r) with r = x - n ln 2,
-// the range reduction and polynomial of Cephes' expf.
-inline vf exp_nonpositive(vf x) {
+// exp to about 2 ulp, x clamped to [-87, 88] (below, about 1.6e-38 instead of 0): 2^n * p(r) with
+// r = x - n ln 2, the range reduction and polynomial of Cephes' expf.
+inline vf vexp(vf x) {
   x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
   const vf fx = x * 1.44269504088896341f + 0.5f;
   vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
   n -= n > fx ? splat(1.0f) : splat(0.0f);  // floor: the conversion truncates toward zero
