@@ -12,6 +12,7 @@ from checkpoints import LLAMA32_SETTINGS
 from hf_reference import hf_greedy
 from llm_client import LEASE_TTL_S, MAX_MODEL_LEN, SERVE_ENGINE, Reference, ReferenceFactory
 
+import splitserve_kernels
 from splitserve import LLM
 from splitserve.deploy.launcher import (
     TritonInstall,
@@ -41,6 +42,9 @@ def triton_install() -> TritonInstall:
             libpython_dir()
     except FileNotFoundError as exc:
         pytest.skip(f"tritonserver unusable here: {exc}")
+    # Build the CPU kernels here, once, rather than inside a server's ready wait (three instances
+    # loading them at once would wait on one build).
+    splitserve_kernels.prepare("cpu")
     return install
 
 

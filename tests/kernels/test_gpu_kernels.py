@@ -112,11 +112,14 @@ def test_rotary_on_a_strided_view(dtype, dim):
     torch.testing.assert_close(got, rope.apply_rotary(q, cos, sin), **TOL[dtype])
 
 
-def test_dispatcher_uses_references_for_cpu_tensors():
+def test_dispatcher_keeps_cpu_tensors_off_the_triton_kernels():
     x = torch.randn(3, 32)
     weight = torch.ones(32)
     assert not kernels.uses_kernel(x)
-    assert torch.equal(kernels.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6))
+    # The C++ CPU kernel where it built, else the reference: equal up to the order of sums.
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, 1e-6), norm.rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_reference_can_be_forced(monkeypatch):
