@@ -95,8 +95,8 @@ class DecoderLayer(nn.Module):
             kernels.gather_kv(cache, self.index, table, cu_k[i + 1] - cu_k[i])
             for i, table in enumerate(batch.seq_block_tables)
         ]
-        k = torch.cat([p[0] for p in parts])
-        v = torch.cat([p[1] for p in parts])
+        # One prompt (the usual prefill batch): its gathered tensors as they are, not copied again.
+        k, v = parts[0] if len(parts) == 1 else (torch.cat(t) for t in zip(*parts, strict=True))
         return kernels.varlen_prefill_attention(
             q, k, v, batch.cu_seqlens_q, cu_k, self.scale, window
         )
