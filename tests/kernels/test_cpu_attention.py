@@ -85,7 +85,7 @@ def test_other_dtypes_use_the_reference():
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(12, 4), (16, 4), (10, 2), (4, 4)])
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize(("block", "window"), [(16, None), (32, None), (16, 21), (48, 37)])
 def test_bfloat16_chunks_groups_and_windows(heads, kv_heads, dim, block, window):
     lens = [1, 15, 16, 17, 33, 64, 70]

@@ -119,11 +119,22 @@ def check_gpu_layout(layout: Layout) -> None:
                 )
 
 
+def prepare_cpu_kernels() -> None:
+    """Build the CPU kernels here, once, before the instances start: each would otherwise wait
+    on the same build inside the server's start-up timeout."""
+    import splitserve_kernels
+
+    log.info("preparing the CPU kernels (built on first use, about 40 s)")
+    splitserve_kernels.prepare("cpu")
+
+
 def start_server(opts: ServeOptions) -> TritonServer:
     repo = opts.repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
     layout = build_layout(opts)
     if layout.device == "gpu":
         check_gpu_layout(layout)
+    else:
+        prepare_cpu_kernels()
     render(layout, repo)
     server = TritonServer(
         repo,

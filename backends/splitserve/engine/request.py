@@ -20,9 +20,12 @@ def random_seed() -> int:
     return int.from_bytes(os.urandom(7), "little")
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """Token state of a request. ``num_computed`` tokens have their KV in ``block_ids``."""
+    """Token state of a request. ``num_computed`` tokens have their KV in ``block_ids``.
+
+    Compared by identity: the scheduler's queue lookups would otherwise compare every field
+    (token lists included) of every queued request, O(batch^2) field compares per step."""
 
     request_id: str
     prompt_ids: list[int]

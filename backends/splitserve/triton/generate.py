@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -34,6 +35,7 @@ class GenerateModelBase:
     role = ""
 
     def initialize(self, args: dict[str, Any]) -> None:
+        stub_cores = os.sched_getaffinity(0)
         self.cfg: ServingConfig = setup_instance(args, self.role)
         self.instance_name = args["model_instance_name"]
         # CUDA's current device is per thread, and setup_instance set it on this one.
@@ -43,12 +45,16 @@ class GenerateModelBase:
         self.metrics = InstanceMetrics(
             args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
         )
-        self.sender = SenderThread()
         self.drain_watch = DrainWatch()
         self.loop = EngineLoop(
             engine, self.cfg.cancel_poll_s, name=f"{self.role}-engine", after_step=self._after_step
         )
         self.loop.start()
+        # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from
+        # here on (response sender, request intake) mostly move bytes: they may run on any core
+        # the stub had, so they take idle time elsewhere rather than the engine's.
+        os.sched_setaffinity(0, stub_cores)
+        self.sender = SenderThread()
 
     def _build_engine(self) -> Engine:
         """Everything that runs torch ops before serving; on a thread of its own, so that the

@@ -1,18 +1,22 @@
 """C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU), compiled on first
 use with the local compiler.
 
-The build (about 20 s on two cores) is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``) and reused by every later process; a source change rebuilds it.
+The build (about 40 s on two cores) is cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``), in a directory per checkout, and reused by every later process; a
+source change rebuilds it. Builds take a file lock of their own, so a build that was killed half
+way (which leaves torch's ``lock`` file behind) no longer makes later loads wait forever.
 ``SPLITSERVE_KERNELS=reference`` turns them off. Where the build fails, ``extension()`` is None
 (with one warning) and the dispatcher uses the pure-torch references instead.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -47,21 +51,45 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.cache
-def extension() -> ModuleType | None:
-    """The compiled module, or None where kernels are off or the build failed."""
-    if not enabled():
-        return None
+def build_dir() -> Path:
+    """Where this checkout's build lives: one directory per source location, so two checkouts
+    (a clone under test beside the working tree) do not rebuild each other's objects."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", cache / "torch_extensions"))
+    tag = hashlib.sha256(str(_HERE.resolve()).encode()).hexdigest()[:8]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    return root / py / f"splitserve_cpu_kernels-{tag}"
+
+
+def _load(where: Path) -> ModuleType:
+    """Build (or load) under an exclusive lock of our own. Every build goes through it, so a
+    torch ``lock`` file found while holding it belongs to a build that died: remove it."""
     from torch.utils.cpp_extension import load
 
-    log.info("loading the CPU kernels (compiled once, then cached)")
-    try:
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "splitserve.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = where / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink()
         return load(
             "splitserve_cpu_kernels",
             [str(p) for p in _SOURCES],
             extra_cflags=[*_FLAGS, f"-DSPLITSERVE_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(where),
         )
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled module, or None where kernels are off or the build failed."""
+    if not enabled():
+        return None
+    log.info("loading the CPU kernels (compiled once, then cached)")
+    try:
+        return _load(build_dir())
     except Exception as exc:  # a missing compiler or headers: run on the reference instead
         log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
         return None

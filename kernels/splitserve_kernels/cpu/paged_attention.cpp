@@ -11,7 +11,8 @@
 // - values: each value row is widened once and accumulated into up to 256 floats of output
 //   (four heads of dim 64, two of 128) held in registers across the chunk.
 // Blocks lie far apart in the pool: the next block is prefetched into L2 in small parts spread
-// over the work on the current one. Head dims 64 and 128 are compiled with their loops unrolled.
+// over the work on the current one. Head dims 32, 64 and 128 are compiled with their loops
+// unrolled.
 // The pure-torch reference is splitserve_kernels.reference.attention.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -180,10 +181,11 @@ inline void accumulate_any(
   }
 }
 
-// Query heads accumulated together from one value row: 256 floats of accumulators.
+// Query heads accumulated together from one value row: up to 256 floats of accumulators, and
+// no more heads than accumulate_heads has cases for.
 template <int64_t kDim>
 constexpr int64_t heads_per_pass() {
-  return kDim == 0 ? 1 : std::max<int64_t>(1, 256 / kDim);
+  return kDim == 0 ? 1 : std::clamp<int64_t>(256 / kDim, 1, 4);
 }
 
 template <typename scalar_t, int64_t kDim>
@@ -359,6 +361,9 @@ void decode_kernel(
       const int64_t len = seq_lens[b];
       const int64_t* table = tables + b * s.max_blocks;
       switch (s.dim) {
+        case 32:
+          attend<scalar_t, 32>(q, cache, out, table, len, window, scale, s, b, scratch);
+          break;
         case 64:
           attend<scalar_t, 64>(q, cache, out, table, len, window, scale, s, b, scratch);
           break;
