@@ -22,6 +22,8 @@ import aiohttp
 from splitserve_client.stream import RequestRecord
 
 DONE = "[DONE]"
+KEEPALIVE_S = 2.0
+"""How long an idle connection is kept for reuse: under the servers' own keep-alive timeouts."""
 
 
 def completions_url(base_url: str) -> str:
@@ -42,9 +44,10 @@ class OpenAITarget:
     def _client(self) -> aiohttp.ClientSession:
         # Made on first use: a session belongs to the running event loop.
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout
-            )
+            # Idle connections are dropped here before the server drops them (uvicorn after 5 s):
+            # a request sent on one the server is closing fails with "Server disconnected".
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 
     def payload(self, prompt: str, max_tokens: int) -> dict[str, Any]:
