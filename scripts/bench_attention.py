@@ -3,9 +3,10 @@
 Decode attention reads every cached key and value of the batch once per layer, so its limit is
 the rate at which this process's threads can stream memory. The script measures that rate
 (a large ``sum`` with the same thread count), then times one layer of decode attention for a
-batch of sequences whose blocks are scattered over a KV pool of a realistic size (blocks of all
-layers together, as ``splitserve.kv`` lays them out), with the kernel and with the reference,
-side by side. Shapes default to the ``100m`` preset (12 heads, 4 KV heads, head dim 64).
+batch of sequences whose blocks are scattered over a KV pool of a realistic size (layer-major,
+as ``splitserve.kv`` lays it out), with the kernel and with the reference, side by side.
+``--contiguous`` gives each sequence one run of adjacent blocks instead. Shapes default to the
+``100m`` preset (12 heads, 4 KV heads, head dim 64).
 
 Run: python scripts/bench_attention.py --dtype bfloat16 --threads 1 --context 300 --context 1000
 """
@@ -57,20 +58,24 @@ def main() -> None:
         "--pool-gib", type=float, default=2.0, help="KV pool the blocks are spread over"
     )
     ap.add_argument("--calls", type=int, default=24)
+    ap.add_argument(
+        "--contiguous", action="store_true", help="adjacent block ids per sequence (not random)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if cpu.extension() is None:
         raise SystemExit("the CPU kernel did not build; see the warning above")
     dtype = getattr(torch, args.dtype)
-    block_shape = (args.layers, 2, args.block_size, args.kv_heads, args.head_dim)
-    block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
+    slot_shape = (2, args.block_size, args.kv_heads, args.head_dim)
+    block_bytes = args.layers * torch.Size(slot_shape).numel() * dtype.itemsize
     num_blocks = int(args.pool_gib * (1 << 30) // block_bytes)
-    pool = torch.empty((num_blocks, *block_shape), dtype=dtype)
+    pool = torch.empty((args.layers, num_blocks, *slot_shape), dtype=dtype)
     pool.uniform_(-1, 1)
     bandwidth = read_bandwidth()
     print(
         f"{args.dtype}, {args.threads} thread(s), batch {args.batch}, pool {num_blocks} blocks "
-        f"({args.pool_gib:g} GiB); read bandwidth {bandwidth / 1e9:.1f} GB/s"
+        f"({args.pool_gib:g} GiB, {'contiguous' if args.contiguous else 'random'} tables); "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     head = ("context", "kernel ms", "GB/s", "of limit", "reference ms", "ratio")
     print("{:>8}{:>11}{:>7}{:>10}{:>14}{:>8}".format(*head))
@@ -78,8 +83,11 @@ def main() -> None:
     scale = args.head_dim**-0.5
     for context in args.context or [300, 1000]:
         width = -(-context // args.block_size)
-        tables = torch.randperm(num_blocks, generator=gen)[: args.batch * width]
-        tables = tables.view(args.batch, width)
+        if args.contiguous:
+            tables = torch.arange(args.batch * width).view(args.batch, width)
+        else:
+            tables = torch.randperm(num_blocks, generator=gen)[: args.batch * width]
+            tables = tables.view(args.batch, width)
         lens = torch.full((args.batch,), context)
         q = torch.randn(args.batch, args.heads, args.head_dim, generator=gen).to(dtype)
         kv_bytes = args.batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import activation, attention, blocks, norm, rope
+from splitserve_kernels.reference import activation, attention, norm, rope
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -55,22 +55,6 @@ def prepare(device: torch.device | str) -> None:
     """Build or load the kernels a model on ``device`` calls, before its first request."""
     if torch.device(device).type == "cpu":
         cpu.extension()
-
-
-def copy_kv_blocks(
-    src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor
-) -> None:
-    impl = _gpu("blocks") if uses_kernel(dst) and src.device == dst.device else blocks
-    impl.copy_kv_blocks(src, src_ids, dst, dst_ids)
-
-
-def gather_kv_blocks(pool: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return (_gpu("blocks") if uses_kernel(pool) else blocks).gather_kv_blocks(pool, ids)
-
-
-def scatter_kv_blocks(pool: torch.Tensor, ids: torch.Tensor, data: torch.Tensor) -> None:
-    impl = _gpu("blocks") if uses_kernel(pool) and data.device == pool.device else blocks
-    impl.scatter_kv_blocks(pool, ids, data)
 
 
 def _norm(x: torch.Tensor) -> ModuleType:

@@ -16,7 +16,7 @@ def _case(heads, kv_heads, dtype, lens, block=4, dim=16, layers=3, seed=0):
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // block) for n in lens) + 1
     num_blocks = len(lens) * width + 2
-    cache = torch.randn(num_blocks, layers, 2, block, kv_heads, dim, generator=gen).to(dtype)
+    cache = torch.randn(layers, num_blocks, 2, block, kv_heads, dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
     return q, cache, tables, torch.tensor(lens)
@@ -26,7 +26,7 @@ def _case(heads, kv_heads, dtype, lens, block=4, dim=16, layers=3, seed=0):
 @pytest.mark.parametrize("window", [None, 5])
 def test_matches_reference_fp32(heads, kv_heads, window):
     q, cache, tables, lens = _case(heads, kv_heads, torch.float32, [1, 7, 13, 4, 16])
-    for layer in range(cache.shape[1]):
+    for layer in range(cache.shape[0]):
         got = cpu.paged_decode_attention(q, cache, layer, tables, lens, 0.3, window)
         want = reference(q, cache, layer, tables, lens, 0.3, window)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -48,7 +48,7 @@ def test_reads_only_the_tokens_of_each_sequence():
     poisoned = torch.full_like(cache, float("nan"))
     for row, n in zip(tables.tolist(), lens.tolist(), strict=True):
         for p in range(n):
-            poisoned[row[p // block], :, :, p % block] = cache[row[p // block], :, :, p % block]
+            poisoned[:, row[p // block], :, p % block] = cache[:, row[p // block], :, p % block]
     got = cpu.paged_decode_attention(q, poisoned, 0, tables, lens, 0.5)
     torch.testing.assert_close(got, want)
 

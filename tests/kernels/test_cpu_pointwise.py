@@ -50,7 +50,7 @@ def test_rotary_write_kv_matches_reference(dtype, heads, kv_heads, dim):
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
     slots = torch.randperm(blocks * block, generator=torch.Generator().manual_seed(4))[:tokens]
     slot_blocks, slot_offsets = slots // block, slots % block
-    cache = _randn(blocks, 3, 2, block, kv_heads, dim, dtype=dtype, seed=5)
+    cache = _randn(3, blocks, 2, block, kv_heads, dim, dtype=dtype, seed=5)
     want_cache = cache.clone()
     args = (cos, sin, heads)
     got = cpu.rotary_write_kv(qkv, *args, cache, 1, slot_blocks, slot_offsets)

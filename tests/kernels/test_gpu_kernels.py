@@ -7,13 +7,12 @@ import pytest
 import torch
 
 import splitserve_kernels as kernels
-from splitserve_kernels.reference import attention, blocks, norm, rope
+from splitserve_kernels.reference import attention, norm, rope
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
 
 from splitserve_kernels.gpu import attention as gpu_attention
-from splitserve_kernels.gpu import blocks as gpu_blocks
 from splitserve_kernels.gpu import norm as gpu_norm
 from splitserve_kernels.gpu import rope as gpu_rope
 
@@ -45,7 +44,7 @@ def randn(*shape, dtype=torch.float32, seed=0):
 )
 def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size, window, splits):
     num_blocks, max_blocks = 40, 7
-    cache = randn(num_blocks, 2, 2, block_size, kv_heads, dim, dtype=dtype, seed=1)
+    cache = randn(2, num_blocks, 2, block_size, kv_heads, dim, dtype=dtype, seed=1)
     q = randn(3, heads, dim, dtype=dtype, seed=2)
     gen = torch.Generator().manual_seed(3)
     tables = torch.randint(0, num_blocks, (3, max_blocks), generator=gen).to(DEVICE)
@@ -56,32 +55,6 @@ def test_paged_decode_attention(dtype, heads, kv_heads, dim, block_size, window,
     want = attention.paged_decode_attention(q, cache, 1, tables, lens, dim**-0.5, window)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_block_copy_gather_scatter_are_exact(dtype):
-    src = randn(12, 2, 2, 4, 2, 8, dtype=dtype, seed=4)
-    dst = torch.zeros(10, 2, 2, 4, 2, 8, dtype=dtype, device=DEVICE)
-    want = dst.clone()
-    src_ids = torch.tensor([1, 2, 3, 6, 7], device=DEVICE)
-    dst_ids = torch.tensor([9, 4, 5, 0, 1], device=DEVICE)
-    gpu_blocks.copy_kv_blocks(src, src_ids, dst, dst_ids)
-    blocks.copy_kv_blocks(src, src_ids, want, dst_ids)
-    assert torch.equal(dst, want)
-    packed = gpu_blocks.gather_kv_blocks(src, src_ids)
-    assert torch.equal(packed, blocks.gather_kv_blocks(src, src_ids))
-    gpu_blocks.scatter_kv_blocks(dst, torch.tensor([2, 3, 6, 7, 8], device=DEVICE), packed)
-    assert torch.equal(dst[[2, 3, 6, 7, 8]], src[src_ids])
-
-
-def test_block_copy_of_odd_sized_blocks_and_misuse():
-    src = randn(4, 3, 3, dtype=torch.float16, seed=5)
-    dst = torch.zeros_like(src)
-    ids = torch.tensor([3, 0], device=DEVICE)
-    gpu_blocks.copy_kv_blocks(src, ids, dst, ids)
-    assert torch.equal(dst[[3, 0]], src[[3, 0]]) and torch.all(dst[[1, 2]] == 0)
-    with pytest.raises(ValueError, match="differ"):
-        gpu_blocks.copy_kv_blocks(src, ids, torch.zeros(4, 9, device=DEVICE), ids)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,7 +110,7 @@ def test_reference_can_be_forced(monkeypatch):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs in scripts/gpu_check.sh)")
 def test_dispatcher_picks_kernels_on_cuda_and_matches_at_serving_shapes():
     dtype, heads, kv_heads, dim, block_size = torch.bfloat16, 32, 8, 128, 16
-    cache = randn(600, 2, 2, block_size, kv_heads, dim, dtype=dtype, seed=11)
+    cache = randn(2, 600, 2, block_size, kv_heads, dim, dtype=dtype, seed=11)
     q = randn(16, heads, dim, dtype=dtype, seed=12)
     gen = torch.Generator().manual_seed(13)
     tables = torch.randperm(600, generator=gen)[: 16 * 32].view(16, 32).to(DEVICE)

@@ -35,7 +35,7 @@ def reader_main(
                 unchanged = torch.equal(before, pool.tensor)
                 conn.send(("error", type(exc).__name__, str(exc), unchanged))
             else:
-                data = pool.tensor[ids].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                data = pool.tensor[:, ids].contiguous().view(torch.uint8).cpu().numpy().tobytes()
                 conn.send(("ok", data, transport.peer_pools()))
         elif cmd == "release":
             transport.release(args[0])

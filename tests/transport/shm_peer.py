@@ -34,7 +34,9 @@ def reader_main(conn: Connection, key: bytes, layout: KVLayout, num_blocks: int)
                 unchanged = torch.equal(before, pool.tensor)
                 conn.send(("error", type(exc).__name__, str(exc), unchanged))
             else:
-                conn.send(("ok", pool.tensor[ids].contiguous().view(torch.uint8).numpy().tobytes()))
+                conn.send(
+                    ("ok", pool.tensor[:, ids].contiguous().view(torch.uint8).numpy().tobytes())
+                )
         elif cmd == "release":
             transport.release(args[0])
             conn.send(("ok",))

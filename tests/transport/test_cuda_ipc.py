@@ -120,8 +120,8 @@ def test_fetch_copies_exact_blocks_and_release_frees(owner, reader):
     src.allocator.free([0, 4, 5])
     handle = own.export("req-1", [1, 2, 3, 6, 7], num_tokens=18)
     rd.fetch(handle, [9, 4, 5, 0, 1])
-    assert torch.equal(dst.tensor[[9, 4, 5, 0, 1]], src.tensor[[1, 2, 3, 6, 7]])
-    assert torch.all(dst.tensor[[2, 3, 6, 7, 8]] == -1)
+    assert torch.equal(dst.tensor[:, [9, 4, 5, 0, 1]], src.tensor[:, [1, 2, 3, 6, 7]])
+    assert torch.all(dst.tensor[:, [2, 3, 6, 7, 8]] == -1)
     assert rd.stats()["fetches"] == 1 and rd.peer_pools() == 1
     rd.release(handle)
     wait_for(lambda: own.stats()["released"] == 1)
@@ -136,10 +136,10 @@ def test_fetch_waits_for_kv_written_on_another_stream(owner, reader):
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)
-        src.tensor[ids] = 7.0
+        src.tensor[:, ids] = 7.0
         handle = own.export("late", ids, 12)
     rd.fetch(handle, [0, 1, 2])
-    assert torch.all(dst.tensor[:3] == 7.0)
+    assert torch.all(dst.tensor[:, :3] == 7.0)
 
 
 @pytest.mark.gpu

@@ -80,8 +80,10 @@ def test_reader_gets_exactly_the_blocks_then_owner_frees_them(peer, owner):
     handle = own.export("req-1", src_ids, num_tokens=70)
     status, data, peers = peer("fetch", handle, [11, 3, 4, 0, 9])
     assert status == "ok" and peers == 1
-    got = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(5, *LAYOUT.block_shape)
-    assert torch.equal(got, pool.tensor[src_ids].cpu())
+    got = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).view(
+        LAYOUT.num_layers, 5, *LAYOUT.slot_shape
+    )
+    assert torch.equal(got, pool.tensor[:, src_ids].cpu())
     wait_for(lambda: own.stats()["pulled"] == 1)
     assert peer("release", handle) == ("ok",)
     wait_for(lambda: own.stats()["released"] == 1)
@@ -96,7 +98,7 @@ def test_writes_on_a_side_stream_are_seen_by_the_reader(peer, owner):
     side = torch.cuda.Stream("cuda:0")
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)
-        pool.tensor[ids] = 3.0
+        pool.tensor[:, ids] = 3.0
         handle = own.export("late", ids, 64)
     status, data, _ = peer("fetch", handle, [0, 1, 2, 3])
     assert status == "ok"

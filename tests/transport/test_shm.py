@@ -75,8 +75,8 @@ def test_fetch_copies_exact_blocks_and_release_frees(owner, reader):
     src.allocator.free([0, 4, 5])
     handle = own.export("req-1", [1, 2, 3, 6, 7], num_tokens=18)
     rd.fetch(handle, [9, 4, 5, 0, 1])
-    assert torch.equal(dst.tensor[[9, 4, 5, 0, 1]], src.tensor[[1, 2, 3, 6, 7]])
-    assert torch.all(dst.tensor[[2, 3, 6, 7, 8]] == -1)
+    assert torch.equal(dst.tensor[:, [9, 4, 5, 0, 1]], src.tensor[:, [1, 2, 3, 6, 7]])
+    assert torch.all(dst.tensor[:, [2, 3, 6, 7, 8]] == -1)
     assert own.stats()["outstanding"] == 1
     rd.release(handle)
     wait_for(lambda: own.stats()["released"] == 1)
@@ -163,7 +163,7 @@ def test_owner_can_fetch_and_release_its_own_handles(owner):
     ids = src.allocator.allocate(4)
     handle = own.export("colocated", ids[:2], 8)
     own.fetch(handle, ids[2:])
-    assert torch.equal(src.tensor[ids[2:]], src.tensor[ids[:2]])
+    assert torch.equal(src.tensor[:, ids[2:]], src.tensor[:, ids[:2]])
     own.release(handle)
     assert own.stats()["released"] == 1 and src.allocator.num_free == 10
 

@@ -72,8 +72,10 @@ def test_reader_gets_exactly_the_blocks_then_owner_frees_them(peer, owner):
     handle = own.export("req-1", src_ids, num_tokens=19)
     status, data = peer("fetch", handle, [11, 3, 4, 0, 9])
     assert status == "ok"
-    got = torch.frombuffer(bytearray(data), dtype=torch.float32).view(5, *LAYOUT.block_shape)
-    assert torch.equal(got, pool.tensor[src_ids])
+    got = torch.frombuffer(bytearray(data), dtype=torch.float32).view(
+        LAYOUT.num_layers, 5, *LAYOUT.slot_shape
+    )
+    assert torch.equal(got, pool.tensor[:, src_ids])
     wait_for(lambda: own.stats()["pulled"] == 1)
     assert pool.allocator.num_free == 7
     assert peer("release", handle) == ("ok",)

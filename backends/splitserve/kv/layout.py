@@ -1,14 +1,15 @@
 """Shape of the paged KV cache, shared by pools, transports and handles.
 
-Layout: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (block-major).
+Layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` (layer-major).
 
-One block is one contiguous region holding K and V of every layer for ``block_size`` tokens.
-The handoff from prefill to decode moves whole blocks, so block-major turns a transfer into one
-memcpy per contiguous run of block ids (usually the whole request) instead of ``2 * num_layers``
-strided copies; it also lets a lease, a handle and a transport speak in block ids alone.
-The price is that per-layer attention reads a strided view of the pool (stride ``num_layers * 2``
-pages between blocks), which a gather over the block table absorbs. Layer-by-layer streaming of
-KV while prefill still runs is given up: DistServe hands over after the prompt pass anyway.
+Decode attention reads one layer at a time, so each layer's blocks lie together: a layer is one
+contiguous ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor, consecutive block ids
+are adjacent in memory, and a sequence whose blocks were handed out in a run is read as one
+stream. (Block-major pools put one layer's slices of consecutive blocks a whole block apart; at
+a power-of-two stride every slice of a layer maps to the same few cache sets, and a core read
+scattered blocks at well under half the rate it reads a layer-major pool.) A handoff moves a run
+of block ids as one strided copy over the layers; a lease, a handle and a transport still speak
+in block ids alone.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ class KVLayout:
         return DTYPES[self.dtype]
 
     @property
-    def block_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+    def slot_shape(self) -> tuple[int, ...]:
+        """One block of one layer: ``[2, block_size, num_kv_heads, head_dim]``."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def block_numel(self) -> int:
-        n = 1
-        for d in self.block_shape:
+        """Elements of one block over all layers."""
+        n = self.num_layers
+        for d in self.slot_shape:
             n *= d
         return n
 
@@ -66,7 +69,7 @@ class KVLayout:
         return self.block_numel * self.torch_dtype.itemsize
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, *self.block_shape)
+        return (self.num_layers, num_blocks, *self.slot_shape)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -41,14 +41,12 @@ class KVPool:
     def device(self) -> torch.device:
         return self.tensor.device
 
-    def layer(self, index: int) -> torch.Tensor:
-        """``[num_blocks, 2, block_size, kv_heads, head_dim]`` view of one layer."""
-        return self.tensor[:, index]
-
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return self.tensor[torch.tensor(block_ids, dtype=torch.long, device=self.device)]
+        """``[num_layers, len(block_ids), 2, block_size, kv_heads, head_dim]`` copy."""
+        return self.tensor[:, torch.tensor(block_ids, dtype=torch.long, device=self.device)]
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.tensor[torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(
+        """Inverse of ``read_blocks``."""
+        self.tensor[:, torch.tensor(block_ids, dtype=torch.long, device=self.device)] = data.to(
             self.tensor.device, self.tensor.dtype
         )

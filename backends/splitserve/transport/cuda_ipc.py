@@ -297,9 +297,9 @@ class CudaIpcTransport(LeasedTransport):
         return super().export(req_id, block_ids, num_tokens)
 
     def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
-        """The base class checks the handle and copies one slice per contiguous run; here those
-        copies go to a stream of this transport's that first waits for the local compute stream
-        and (in ``_open``) for the owner's event, and is synchronized before returning."""
+        """The base class checks the handle and copies one strided slice per contiguous run; here
+        those copies go to a stream of this transport's that first waits for the local compute
+        stream and (in ``_open``) for the owner's event, and is synchronized before returning."""
         if self._pool is None:
             raise RuntimeError("fetch needs a registered pool")
         device = self._pool.device

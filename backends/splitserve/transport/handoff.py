@@ -1,7 +1,8 @@
 """What every KV transport shares: handle signing and checks, leases, the release channel.
 
 Subclasses only place the owner's pool in openable memory and open a peer's pool as a tensor;
-copying, coalesced into one slice copy per contiguous run of block ids, happens here.
+copying, coalesced into one strided copy (over the layers) per contiguous run of block ids,
+happens here.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def copy_blocks(
     src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]
 ) -> None:
     for s, d, n in contiguous_runs(src_ids, dst_ids):
-        dst[d : d + n].copy_(src[s : s + n])
+        dst[:, d : d + n].copy_(src[:, s : s + n])
 
 
 class LeasedTransport(KVTransport):
@@ -151,8 +152,8 @@ class LeasedTransport(KVTransport):
         if any(not 0 <= b < pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination ids out of range [0, {pool.num_blocks})")
         src = self._open(h)
-        if max(h.block_ids) >= src.shape[0]:
-            raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[0]}")
+        if max(h.block_ids) >= src.shape[1]:
+            raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[1]}")
         self._notify(h, PULL)
         started = time.perf_counter_ns()
         copy_blocks(src, h.block_ids, pool.tensor, dst_block_ids)

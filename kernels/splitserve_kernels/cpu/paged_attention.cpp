@@ -1,4 +1,4 @@
-// Decode attention read straight from the block-major paged KV cache, for CPUs.
+// Decode attention read straight from the layer-major paged KV cache, for CPUs.
 //
 // One query token per sequence; a work item is a run of sequences with about equal numbers of
 // keys. Its tokens are taken 16 at a time (a chunk, never crossing a block), one token per
@@ -10,8 +10,8 @@
 // - softmax over each head's scores, with a vectorized exp;
 // - values: each value row is widened once and accumulated into up to 256 floats of output
 //   (four heads of dim 64, two of 128) held in registers across the chunk.
-// Blocks lie far apart in the pool: the next block is prefetched into L2 in small parts spread
-// over the work on the current one. Head dims 32, 64 and 128 are compiled with their loops
+// A sequence's blocks need not be adjacent in its layer: the next block is prefetched into L2 in
+// small parts spread over the work on the current one. Head dims 32, 64 and 128 are compiled with their loops
 // unrolled.
 // The pure-torch reference is splitserve_kernels.reference.attention.
 #include <ATen/Parallel.h>
@@ -382,7 +382,7 @@ void decode_kernel(
 torch::Tensor paged_decode_attention(
     torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor block_tables,
     torch::Tensor seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && cache.dim() == 6, "q [B, H, D] and cache [N, L, 2, bs, kvh, D]");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 6, "q [B, H, D] and cache [L, N, 2, bs, kvh, D]");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(cache.is_contiguous(), "cache must be contiguous");
   const int64_t heads = q.size(1);
@@ -401,8 +401,8 @@ torch::Tensor paged_decode_attention(
                     dim,
                     token_stride,
                     half_stride,
-                    cache.size(1) * 2 * half_stride,
-                    layer * 2 * half_stride,
+                    2 * half_stride,
+                    layer * cache.stride(0),
                     cache.size(3),
                     tables.size(1)};
   by_dtype(q, "paged_decode_attention", [&](auto zero) {

@@ -1,5 +1,5 @@
 // Rotary position embedding of the queries and keys of a fused qkv projection, with the keys and
-// values written straight into their slots of the block-major paged KV cache, for CPUs. Rounds
+// values written straight into their slots of the layer-major paged KV cache, for CPUs. Rounds
 // where the pure-torch reference (reference.rope.apply_rotary, then reference.attention.write_kv)
 // rounds: x * cos and rotate_half(x) * sin, then their sum.
 #include <ATen/Parallel.h>
@@ -66,7 +66,7 @@ void rotary_rows(
 torch::Tensor rotary_write_kv(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, torch::Tensor cache,
     int64_t layer, torch::Tensor slot_blocks, torch::Tensor slot_offsets) {
-  TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "cache [N, L, 2, bs, kvh, D], contiguous");
+  TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "cache [L, N, 2, bs, kvh, D], contiguous");
   const int64_t kv_heads = cache.size(4), dim = cache.size(5), tokens = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * dim,
               "qkv must be a contiguous [T, (heads + 2 * kv_heads) * head_dim] tensor");
@@ -80,8 +80,8 @@ torch::Tensor rotary_write_kv(
   const int64_t token_stride = kv_heads * dim, half_stride = cache.size(3) * token_stride;
   const Sizes z{tokens,       heads,       kv_heads,
                 dim,          qkv.size(1), token_stride,
-                half_stride,  cache.size(1) * 2 * half_stride,
-                layer * 2 * half_stride};
+                half_stride,  2 * half_stride,
+                layer * cache.stride(0)};
   by_dtype(qkv, "rotary_write_kv", [&](auto zero) {
     using scalar_t = decltype(zero);
     rotary_rows<scalar_t>(qkv.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(),

@@ -1,4 +1,4 @@
-"""Paged decode attention: one query token per sequence against its block-major KV cache.
+"""Paged decode attention: one query token per sequence against its layer-major KV cache.
 
 One program per (sequence, KV head, split): the query heads of that KV head's group are the
 rows of one ``tl.dot`` tile (GQA reads each K/V tile once for the whole group), keys stream in
@@ -158,8 +158,8 @@ def paged_decode_attention(
         tiles_per_split,
         q.stride(0),
         q.stride(1),
-        cache.stride(0),
         cache.stride(1),
+        cache.stride(0),
         cache.stride(2),
         cache.stride(3),
         cache.stride(4),

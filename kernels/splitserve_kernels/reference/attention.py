@@ -1,6 +1,6 @@
-"""Attention over a block-major paged KV cache, in plain torch.
+"""Attention over a layer-major paged KV cache, in plain torch.
 
-Cache tensors are the pool's ``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``;
+Cache tensors are the pool's ``[num_layers, num_blocks, 2, block_size, kv_heads, head_dim]``;
 ``layer`` picks the layer. Positions are absolute token indices within a sequence.
 """
 
@@ -19,15 +19,15 @@ def write_kv(
     slot_offsets: torch.Tensor,
 ) -> None:
     """Store ``k``/``v`` ``[T, kv_heads, head_dim]`` at (block, offset) slots of ``layer``."""
-    cache[slot_blocks, layer, 0, slot_offsets] = k
-    cache[slot_blocks, layer, 1, slot_offsets] = v
+    cache[layer, slot_blocks, 0, slot_offsets] = k
+    cache[layer, slot_blocks, 1, slot_offsets] = v
 
 
 def gather_kv(
     cache: torch.Tensor, layer: int, block_table: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[num_tokens, kv_heads, head_dim]`` of one sequence from its block table."""
-    kv = cache[block_table, layer]  # [nb, 2, bs, kvh, d]
+    kv = cache[layer, block_table]  # [nb, 2, bs, kvh, d]
     kv = kv.transpose(0, 1).reshape(2, -1, *kv.shape[-2:])
     return kv[0, :num_tokens], kv[1, :num_tokens]
 
@@ -91,7 +91,7 @@ def paged_decode_attention(
     """
     batch, max_blocks = block_tables.shape
     _, _, _, block_size, kv_heads, dim = cache.shape
-    kv = cache[:, layer].index_select(0, block_tables.reshape(-1))
+    kv = cache[layer].index_select(0, block_tables.reshape(-1))
     kv = kv.view(batch, max_blocks, 2, block_size, kv_heads, dim)
     kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, kv_heads, max_blocks * block_size, dim)
     pos = torch.arange(max_blocks * block_size, device=q.device)
