@@ -6,6 +6,7 @@ references on every device."""
 from splitserve_kernels.dispatch import (
     add_rms_norm,
     apply_rotary,
+    greedy_tokens,
     paged_decode_attention,
     prepare,
     rms_norm,
@@ -20,6 +21,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "gather_kv",
+    "greedy_tokens",
     "paged_decode_attention",
     "prepare",
     "rms_norm",

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import activation, attention, norm, rope
+from splitserve_kernels.reference import activation, attention, norm, rope, sampling
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -97,3 +97,8 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` into ``gate``."""
     fused = cpu.usable(gate) and gate.is_contiguous() and up.is_contiguous()
     return (cpu if fused else activation).silu_mul_(gate, up)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit, the first where several tie (long ``[batch]``)."""
+    return (cpu if cpu.usable(logits) else sampling).greedy_tokens(logits)

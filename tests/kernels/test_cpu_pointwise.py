@@ -1,11 +1,12 @@
-"""The C++ CPU norm, rotary + KV write and SwiGLU kernels against their pure-torch references."""
+"""The C++ CPU norm, rotary + KV write, SwiGLU and greedy-token kernels against their pure-torch
+references."""
 
 import pytest
 import torch
 
 import splitserve_kernels as kernels
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import activation, norm, rope
+from splitserve_kernels.reference import activation, norm, rope, sampling
 
 pytestmark = pytest.mark.skipif(
     cpu.extension() is None, reason="the CPU kernels did not build (see the warning logged)"
@@ -83,3 +84,32 @@ def test_dispatch_uses_references_for_other_dtypes_and_when_turned_off(monkeypat
     torch.testing.assert_close(
         kernels.rms_norm(y, w.float(), 1e-6), norm.rms_norm(y, w.float(), 1e-6), rtol=0, atol=0
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [32000, 37, 5])
+def test_greedy_tokens_match_reference(dtype, vocab):
+    logits = _randn(9, vocab, dtype=dtype) * 4
+    got = cpu.greedy_tokens(logits)
+    assert got.dtype == torch.long
+    assert torch.equal(got, sampling.greedy_tokens(logits))
+    assert torch.equal(kernels.greedy_tokens(logits), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_tokens_ties_infinities_and_nan_as_torch(dtype):
+    logits = torch.zeros(6, 40, dtype=dtype)
+    logits[0, [3, 17, 39]] = 2.0  # ties: the first
+    logits[1] = float("-inf")  # all -inf: index 0
+    logits[2, 38] = float("inf")
+    logits[3, [5, 33]] = float("nan")  # NaN wins, the first one
+    logits[4, 36:] = 1.0  # maximum only in the scalar tail
+    logits[5, [2, 39]] = float("nan")
+    logits[5, 20] = float("inf")
+    assert cpu.greedy_tokens(logits).tolist() == sampling.greedy_tokens(logits).tolist()
+    assert cpu.greedy_tokens(logits).tolist() == [3, 0, 38, 5, 36, 2]
+
+
+def test_greedy_tokens_of_a_strided_view():
+    logits = _randn(8, 100, dtype=torch.bfloat16)[::2, 10:90]
+    assert torch.equal(cpu.greedy_tokens(logits), sampling.greedy_tokens(logits))

@@ -132,7 +132,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) ``[len(batch.logits_indices), vocab]``; writes the batch's KV."""
+        """Logits ``[len(batch.logits_indices), vocab]`` in the model's dtype (the sampler widens
+        them only where it needs to); writes the batch's KV."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(batch.positions, self.dtype)
         pending = None
@@ -141,4 +142,4 @@ class LlamaForCausalLM(nn.Module):
         assert pending is not None, "a model has at least one layer"
         rows = batch.logits_indices
         x, _ = kernels.add_rms_norm(pending[rows], h[rows], self.norm, self.cfg.rms_norm_eps)
-        return linear(x, self.lm_head, None, self.lm_head_packed).float()
+        return linear(x, self.lm_head, None, self.lm_head_packed)

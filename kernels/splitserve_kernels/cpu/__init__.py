@@ -1,5 +1,5 @@
-"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU), compiled on first
-use with the local compiler.
+"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU, greedy token choice),
+compiled on first use with the local compiler.
 
 The build (about 40 s on two cores) is cached under ``$TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``), in a directory per checkout, and reused by every later process; a
@@ -27,7 +27,14 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [
     _HERE / name
-    for name in ("module.cpp", "paged_attention.cpp", "norm.cpp", "rotary.cpp", "activation.cpp")
+    for name in (
+        "module.cpp",
+        "paged_attention.cpp",
+        "norm.cpp",
+        "rotary.cpp",
+        "activation.cpp",
+        "argmax.cpp",
+    )
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
@@ -150,3 +157,8 @@ def rotary_write_kv(
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``reference.activation.silu_mul_`` for contiguous CPU tensors."""
     return _ext().silu_mul_(gate, up)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``reference.sampling.greedy_tokens`` for CPU tensors, read in their own dtype."""
+    return _ext().greedy_tokens(logits)

@@ -13,6 +13,7 @@ torch::Tensor rotary_write_kv(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, torch::Tensor cache,
     int64_t layer, torch::Tensor slot_blocks, torch::Tensor slot_offsets);
 torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up);
+torch::Tensor greedy_tokens(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
@@ -20,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rotary_write_kv", &rotary_write_kv);
   m.def("silu_mul_", &silu_mul_);
+  m.def("greedy_tokens", &greedy_tokens);
 }
