@@ -5,11 +5,11 @@ Layout: ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]`` (lay
 Decode attention reads one layer at a time, so each layer's blocks lie together: a layer is one
 contiguous ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` tensor, consecutive block ids
 are adjacent in memory, and a sequence whose blocks were handed out in a run is read as one
-stream. (Block-major pools put one layer's slices of consecutive blocks a whole block apart; at
-a power-of-two stride every slice of a layer maps to the same few cache sets, and a core read
-scattered blocks at well under half the rate it reads a layer-major pool.) A handoff moves a run
-of block ids as one strided copy over the layers; a lease, a handle and a transport still speak
-in block ids alone.
+stream. (A block-major pool puts one layer's slices of consecutive blocks a whole block apart, a
+power-of-two multiple, so they likely share a few cache sets; the CPU decode attention read it
+about 1.45x slower with random block ids: BENCHMARKS.md, eighth run.) A handoff moves a run of
+block ids as one strided copy over the layers; a lease, a handle and a transport still speak in
+block ids alone.
 """
 
 from __future__ import annotations
