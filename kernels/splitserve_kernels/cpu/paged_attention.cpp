@@ -11,8 +11,8 @@
 // - values: each value row is widened once and accumulated into up to 256 floats of output
 //   (four heads of dim 64, two of 128) held in registers across the chunk.
 // A sequence's blocks need not be adjacent in its layer: the next block is prefetched into L2 in
-// small parts spread over the work on the current one. Head dims 32, 64 and 128 are compiled with their loops
-// unrolled.
+// small parts spread over the work on the current one. Head dims 32, 64 and 128 are compiled
+// with their loops unrolled.
 // The pure-torch reference is splitserve_kernels.reference.attention.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
