@@ -55,11 +55,20 @@ def start_streams(server: TritonServer, model: str, n: int) -> list[GrpcStream]:
     return streams
 
 
+TORN_DOWN = "Stream removed (Socket closed)"
+"""What a new stream got once in CI right after the kill: gRPC channels to one address may share
+a connection, and this one was being reset under the killed instance's streams. A transport
+error, not the server's answer, so the request is sent again."""
+
+
 def fresh_error(server: TritonServer, model: str) -> str:
-    started = time.monotonic()
-    with GrpcStream(server.grpc_url) as stream:
-        message = stream.error_of(model, generate_inputs("hi", stream=True))
-    assert time.monotonic() - started < FAIL_FAST_S
+    for _ in range(3):
+        started = time.monotonic()
+        with GrpcStream(server.grpc_url) as stream:
+            message = stream.error_of(model, generate_inputs("hi", stream=True))
+        assert time.monotonic() - started < FAIL_FAST_S
+        if message != TORN_DOWN:
+            break
     return message
 
 
