@@ -5,8 +5,9 @@ the rate at which this process's threads can stream memory. The script measures 
 (a large ``sum`` with the same thread count), then times one layer of decode attention for a
 batch of sequences whose blocks are scattered over a KV pool of a realistic size (layer-major,
 as ``splitserve.kv`` lays it out), with the kernel and with the reference, side by side.
-``--contiguous`` gives each sequence one run of adjacent blocks instead. Shapes default to the
-``100m`` preset (12 heads, 4 KV heads, head dim 64).
+``--contiguous`` gives each sequence one run of adjacent blocks instead, ``--run-blocks N`` runs
+of ``N`` adjacent blocks at random places. Shapes default to the ``100m`` preset (12 heads, 4 KV
+heads, head dim 64).
 
 Run: python scripts/bench_attention.py --dtype bfloat16 --threads 1 --context 300 --context 1000
 """
@@ -43,6 +44,12 @@ def per_call(fn: Callable[[int], object], calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def tables_kind(args: argparse.Namespace) -> str:
+    if args.contiguous:
+        return "contiguous"
+    return "random" if args.run_blocks == 1 else f"in random runs of {args.run_blocks}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -61,6 +68,12 @@ def main() -> None:
     ap.add_argument(
         "--contiguous", action="store_true", help="adjacent block ids per sequence (not random)"
     )
+    ap.add_argument(
+        "--run-blocks",
+        type=int,
+        default=1,
+        help="random tables made of runs of this many adjacent block ids (default 1: scattered)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if cpu.extension() is None:
@@ -74,7 +87,7 @@ def main() -> None:
     bandwidth = read_bandwidth()
     print(
         f"{args.dtype}, {args.threads} thread(s), batch {args.batch}, pool {num_blocks} blocks "
-        f"({args.pool_gib:g} GiB, {'contiguous' if args.contiguous else 'random'} tables); "
+        f"({args.pool_gib:g} GiB, block tables {tables_kind(args)}); "
         f"read bandwidth {bandwidth / 1e9:.1f} GB/s"
     )
     head = ("context", "kernel ms", "GB/s", "of limit", "reference ms", "ratio")
@@ -86,8 +99,11 @@ def main() -> None:
         if args.contiguous:
             tables = torch.arange(args.batch * width).view(args.batch, width)
         else:
-            tables = torch.randperm(num_blocks, generator=gen)[: args.batch * width]
-            tables = tables.view(args.batch, width)
+            run = args.run_blocks
+            runs = -(-args.batch * width // run)
+            starts = torch.randperm(num_blocks // run, generator=gen)[:runs]
+            ids = (starts[:, None] * run + torch.arange(run)).flatten()
+            tables = ids[: args.batch * width].view(args.batch, width)
         lens = torch.full((args.batch,), context)
         q = torch.randn(args.batch, args.heads, args.head_dim, generator=gen).to(dtype)
         kv_bytes = args.batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
