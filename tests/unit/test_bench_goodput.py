@@ -125,6 +125,11 @@ def test_search_converges_on_the_threshold() -> None:
     assert len(result.probes) <= 12
     for p in result.probes:
         assert (p.summary.attainment == 1.0) == (p.rate <= THRESHOLD)
+    best = result.probes[0].rate  # no probe runs above twice the best rate passed before it
+    for p in result.probes[1:]:
+        assert p.rate <= 2 * best + 1e-9
+        if p.summary.attainment == 1.0:
+            best = max(best, p.rate)
 
 
 def test_search_edges() -> None:
@@ -142,8 +147,8 @@ def test_search_edges() -> None:
         )
         return found.goodput_rps, [p.rate for p in found.probes]
 
-    assert search(1.0) == (400, [400])  # everything passes: the top of the range
-    assert search(0.005) == (0.0, [400, 100])  # even rate_min misses
+    assert search(1.0) == (400, [100, 200, 400])  # everything passes: up to the top of the range
+    assert search(0.005) == (0.0, [100])  # even rate_min misses
 
 
 def test_goodput_of_a_saturating_target() -> None:

@@ -52,30 +52,41 @@ async def search_goodput(
     min_attainment: float = 0.9,
     max_probes: int = 8,
     rel_tol: float = 0.05,
+    growth: float = 2.0,
     progress: bool = True,
 ) -> GoodputResult:
-    """Probe ``rate_max`` and ``rate_min``, then bisect (geometrically) between the highest rate
-    that passed and the lowest that failed, until they are within ``rel_tol`` or ``max_probes``
-    runs are spent. A probe passes when its attainment is at least ``min_attainment``."""
-    if not 0 < rate_min <= rate_max or max_probes < 2:
-        raise ValueError("need 0 < rate_min <= rate_max and max_probes >= 2")
+    """Probe ``rate_min``, then climb by ``growth`` (capped at ``rate_max``) until a probe
+    misses, then bisect (geometrically) between the highest rate that passed and the lowest that
+    missed, until they are within ``rel_tol`` or ``max_probes`` runs are spent. A probe passes
+    when its attainment is at least ``min_attainment``.
+
+    Climbing from below means no probe runs right after one far past the target's capacity: a
+    server flooded at many times its goodput keeps part of that state (slower steps, fuller
+    queues) into the next probe, which would then measure the flood as much as its own rate."""
+    if not 0 < rate_min <= rate_max or max_probes < 2 or growth <= 1:
+        raise ValueError("need 0 < rate_min <= rate_max, max_probes >= 2 and growth > 1")
     probes: list[Probe] = []
 
     async def passes(rate: float) -> bool:
         probes.append(await probe(target, schedule_for, rate, slo, progress))
         return probes[-1].summary.attainment >= min_attainment
 
-    if await passes(rate_max):
-        return GoodputResult(rate_max, probes)
-    if rate_min == rate_max or not await passes(rate_min):
+    if not await passes(rate_min):
         return GoodputResult(0.0, probes)
-    lo, hi = rate_min, rate_max
-    while len(probes) < max_probes and hi / lo > 1 + rel_tol:
-        mid = math.sqrt(lo * hi)
-        if await passes(mid):
-            lo = mid
+    lo, hi = rate_min, None
+    while len(probes) < max_probes:
+        if hi is None:
+            if lo >= rate_max:
+                break
+            rate = min(lo * growth, rate_max)
+        elif hi / lo > 1 + rel_tol:
+            rate = math.sqrt(lo * hi)
         else:
-            hi = mid
+            break
+        if await passes(rate):
+            lo = rate
+        else:
+            hi = rate
     return GoodputResult(lo, probes)
 
 
