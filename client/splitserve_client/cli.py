@@ -274,7 +274,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
     b.add_argument("--rate", type=float, help="requests per second (one run per target)")
     b.add_argument(
-        "--goodput", action="store_true", help="binary-search the highest rate meeting --attainment"
+        "--goodput",
+        action="store_true",
+        help="the highest rate meeting --attainment: doubles from --rate-min until a run misses "
+        "(at most --rate-max), then bisects",
     )
     b.add_argument("--rate-min", type=float, default=0.1)
     b.add_argument("--rate-max", type=float, default=10.0)
