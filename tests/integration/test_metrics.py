@@ -24,6 +24,8 @@ COMMON = (
     "splitserve_kv_handoff_seconds_total",
     "splitserve_ttft_seconds_count",
     "splitserve_tpot_seconds_bucket",
+    "splitserve_engine_steps_total",
+    "splitserve_engine_step_seconds_bucket",
 )
 ERROR_KINDS = {"invalid", "unavailable", "internal", "cancelled"}
 IDLE = ("splitserve_kv_blocks_used", "splitserve_leases_outstanding", "splitserve_queue_depth")
@@ -84,10 +86,15 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
         assert grew("splitserve_ttft_seconds_count", model) >= N
         assert grew("splitserve_tpot_seconds_count", model) >= N
         assert grew("splitserve_tpot_seconds_sum", model) > 0
+        assert grew("splitserve_engine_sampled_tokens_total", model) >= 3 * N
         key = ("splitserve_errors_total", model)
         assert invalid_after[key] - invalid_before[key] == 1
     assert grew("splitserve_kv_handoffs_total", "llm") >= N
     assert grew("splitserve_kv_handoff_bytes_total", "llm") > 0
     assert grew("splitserve_kv_handoff_seconds_total", "llm") > 0
+    for model in (*MODELS, "prefill"):
+        assert grew("splitserve_engine_steps_total", model) >= 1, model
+        assert grew("splitserve_engine_busy_seconds_total", model) > 0, model
+        assert grew("splitserve_engine_step_seconds_count", model) >= 1, model
     assert grew("splitserve_leases_granted_total", "prefill") >= N
     assert grew("splitserve_leases_released_total", "prefill") >= N

@@ -3,13 +3,15 @@ import pytest
 from splitserve.kv.allocator import BlockAllocator, OutOfBlocks
 
 
-def test_lowest_ids_first_and_freed_ids_reused_before_untouched_ones():
-    a = BlockAllocator(6)
+def test_lowest_free_ids_first_in_ascending_order():
+    a = BlockAllocator(8)
     assert a.allocate(2) == [0, 1]
     assert a.allocate(3) == [2, 3, 4]
-    a.free([1, 0])
-    assert a.allocate(3) == [1, 0, 5]
-    assert (a.num_used, a.num_free) == (6, 0)
+    a.free([3, 1, 0])
+    assert a.allocate(4) == [0, 1, 3, 5]
+    a.free([5, 2])
+    assert a.allocate(2) == [2, 5]
+    assert (a.num_used, a.num_free) == (6, 2)
 
 
 def test_out_of_blocks_allocates_nothing():

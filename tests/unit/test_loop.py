@@ -1,4 +1,5 @@
 import threading
+from typing import Any
 
 from splitserve import SamplingParams
 from splitserve.config import EngineConfig
@@ -32,13 +33,13 @@ class ListSink:
         return [t for o in self.outputs for t in o.new_token_ids]
 
 
-def make_loop() -> EngineLoop:
+def make_loop(**kwargs: Any) -> EngineLoop:
     cfg = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128)
     parts = build_components(cfg)
     engine = Engine(
         parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
     )
-    return EngineLoop(engine, cancel_poll_s=0.0)
+    return EngineLoop(engine, cancel_poll_s=0.0, **kwargs)
 
 
 def test_streams_requests_and_ends_each_once():
@@ -58,6 +59,22 @@ def test_streams_requests_and_ends_each_once():
         assert sink.outputs[-1].finished and sink.outputs[-1].finish_reason == "length"
     assert bad.error is not None and "prompt" in bad.error
     assert loop.engine.scheduler.allocator.num_used == 0
+
+
+def test_each_step_reports_its_time_and_sampled_tokens():
+    steps: list[tuple[float, int]] = []
+    loop = make_loop(on_step=lambda seconds, tokens: steps.append((seconds, tokens)))
+    loop.start()
+    p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sinks = [ListSink() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        loop.add_request(str(i), [256, 30 + i], p, sink)
+    for sink in sinks:
+        assert sink.done.wait(10)
+    loop.stop()
+    assert len(steps) == loop.num_steps
+    assert all(seconds > 0 for seconds, _ in steps)
+    assert sum(tokens for _, tokens in steps) == sum(len(s.tokens) for s in sinks) == 15
 
 
 def test_cancelled_request_is_dropped_and_freed():

@@ -46,6 +46,25 @@ def test_snapshot_reports_deltas_once():
     assert second.errors == {} and second.observations == []
 
 
+def test_steps_add_up_between_snapshots():
+    stats = InstanceStats()
+    stats.step(0.5, 8)
+    stats.step(0.25, 2)
+    first = stats.snapshot({})
+    assert first.observations == [("step", 0.5), ("step", 0.25)]
+    assert first.counters == {
+        "engine_steps_total": 2.0,
+        "engine_busy_seconds_total": 0.75,
+        "engine_sampled_tokens_total": 10.0,
+    }
+    stats.step(0.125, 1)
+    assert stats.snapshot({}).counters == {
+        "engine_steps_total": 1.0,
+        "engine_busy_seconds_total": 0.125,
+        "engine_sampled_tokens_total": 1.0,
+    }
+
+
 def test_concurrent_admit_and_end_balance():
     stats = InstanceStats(max_queue=1_000_000)
 

@@ -46,9 +46,13 @@ class EngineLoop:
         cancel_poll_s: float = 0.02,
         name: str = "engine",
         after_step: Callable[[EngineLoop], None] | None = None,
+        on_step: Callable[[float, int], None] | None = None,
     ) -> None:
+        """``after_step`` runs on every turn of the loop, stepped or idle; ``on_step`` after each
+        step with its seconds and the number of outputs (tokens sampled) it made."""
         self.engine = engine
         self.after_step = after_step
+        self.on_step = on_step
         self.cancel_poll_s = cancel_poll_s
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -153,6 +157,7 @@ class EngineLoop:
                 self.after_step(self)
             if not self.engine.has_unfinished():
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
@@ -160,6 +165,8 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {exc}", "internal")
                 continue
             self.num_steps += 1
+            if self.on_step is not None:
+                self.on_step(time.perf_counter() - start, len(outputs))
             self._dispatch(outputs)
             self.heap.maybe_trim()
         self._fail_all("server is shutting down", "unavailable")

@@ -31,6 +31,12 @@ COUNTERS = {
     "kv_handoffs_total": "KV handoffs pulled by this instance",
     "kv_handoff_bytes_total": "Bytes of KV pulled by this instance",
     "kv_handoff_seconds_total": "Seconds spent pulling KV",
+    "engine_steps_total": "Forward passes of this instance's engine (a decode step of its "
+    "running batch, or a batch of prompts)",
+    "engine_busy_seconds_total": "Seconds this instance's engine spent in forward passes; its "
+    "rate is the fraction of time the engine is busy",
+    "engine_sampled_tokens_total": "Tokens sampled by this instance's forward passes; over "
+    "engine_steps_total, the mean batch",
 }
 ERRORS = ("errors_total", "Requests ended with an error or cancelled, by kind")
 HISTOGRAMS = {
@@ -43,6 +49,11 @@ HISTOGRAMS = {
         "tpot_seconds",
         "Mean time per output token after the first, per request",
         [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0],
+    ),
+    "step": (
+        "engine_step_seconds",
+        "Time of one forward pass of this instance's engine",
+        [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5],
     ),
 }
 
@@ -121,6 +132,17 @@ class InstanceStats:
     def finished(self, first_token_at: float, now: float, num_output_tokens: int) -> None:
         if num_output_tokens > 1:
             self.observe("tpot", (now - first_token_at) / (num_output_tokens - 1))
+
+    def step(self, seconds: float, sampled_tokens: int) -> None:
+        """The engine ran one forward pass, which sampled ``sampled_tokens`` tokens."""
+        with self._lock:
+            self._observations.append(("step", seconds))
+            for name, value in (
+                ("engine_steps_total", 1.0),
+                ("engine_busy_seconds_total", seconds),
+                ("engine_sampled_tokens_total", float(sampled_tokens)),
+            ):
+                self._totals[name] = self._totals.get(name, 0.0) + value
 
     def set_total(self, name: str, value: float) -> None:
         """A cumulative count kept elsewhere (a transport's); published as a counter."""

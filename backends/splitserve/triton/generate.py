@@ -47,7 +47,11 @@ class GenerateModelBase:
         )
         self.drain_watch = DrainWatch()
         self.loop = EngineLoop(
-            engine, self.cfg.cancel_poll_s, name=f"{self.role}-engine", after_step=self._after_step
+            engine,
+            self.cfg.cancel_poll_s,
+            name=f"{self.role}-engine",
+            after_step=self._after_step,
+            on_step=self.stats.step,
         )
         self.loop.start()
         # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from

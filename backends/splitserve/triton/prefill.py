@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -96,6 +97,7 @@ class PrefillModel:
 
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
+        start = time.perf_counter()
         try:
             first = self.engine.prefill(reqs)
         except Exception as exc:
@@ -106,6 +108,7 @@ class PrefillModel:
                     f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
                 )
             return
+        self.stats.step(time.perf_counter() - start, len(first))
         for (i, req), token in zip(batch, first, strict=True):
             handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
             responses[i] = pb_utils.InferenceResponse(
