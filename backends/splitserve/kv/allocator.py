@@ -16,7 +16,7 @@ class BlockAllocator:
     lie in ascending order over the low end of the pool however long it has been serving. Handing
     freed ids out again in the order they were freed (a LIFO list) scatters them after a burst:
     on the tiny checkpoint after 800 mixed requests, decode steps over blocks from such a list
-    were 10-17 % slower than over the same blocks sorted (BENCHMARKS.md, "After a flood").
+    were 10-17 % slower than over the same blocks sorted (BENCHMARKS.md, "Goodput, ninth run").
 
     Every id is either free or used, never both; freeing an id that is not in use raises.
     """
