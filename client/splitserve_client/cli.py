@@ -104,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         prefill_cores=args.prefill_cores,
         decode_cores=args.decode_cores,
         colocated_cores=args.colocated_cores,
+        lend_prefill_cores=args.lend_prefill_cores,
         device=args.device,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
@@ -208,6 +209,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-cores", help="core sets per prefill instance, e.g. '0' or '0;1'")
     s.add_argument("--decode-cores")
     s.add_argument("--colocated-cores")
+    s.add_argument(
+        "--lend-prefill-cores",
+        action=argparse.BooleanOptionalAction,
+        help="decode also steps on the prefill cores while prefill is idle (CPU, one prefill "
+        "and one decode instance; default: wherever the layout allows)",
+    )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--block-size", type=int)

@@ -22,7 +22,7 @@ from splitserve.deploy.launcher import (
     libpython_dir,
     live_group_members,
 )
-from splitserve.deploy.render import Layout, default_cpu_layout, render
+from splitserve.deploy.render import Layout, default_cpu_layout, lend_prefill_cores, render
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.random_checkpoint import write_random_checkpoint
 from splitserve.transport.key import generate_key, key_environ
@@ -125,7 +125,10 @@ def splitserve_server(
     """
     layout = default_cpu_layout("both", {"model": str(serve_ckpt), **SERVE_ENGINE})
     prefill = replace(layout.prefill, params={"lease_ttl_s": str(LEASE_TTL_S)})
-    repo = render(replace(layout, prefill=prefill), tmp_path_factory.mktemp("splitserve_repo"))
+    # As `splitserve serve` deploys it: prefill lends its core to decode between passes.
+    lock = str(tmp_path_factory.mktemp("core_lock") / "core.lock")
+    layout = lend_prefill_cores(replace(layout, prefill=prefill), lock)
+    repo = render(layout, tmp_path_factory.mktemp("splitserve_repo"))
     http_port, grpc_port, metrics_port = free_ports(3)
     server = TritonServer(
         repo,

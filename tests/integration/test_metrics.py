@@ -92,6 +92,8 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     assert grew("splitserve_kv_handoffs_total", "llm") >= N
     assert grew("splitserve_kv_handoff_bytes_total", "llm") > 0
     assert grew("splitserve_kv_handoff_seconds_total", "llm") > 0
+    # The session server lends the prefill core to decode: steps between passes borrow it.
+    assert grew("splitserve_engine_borrowed_steps_total", "llm") >= 1
     for model in (*MODELS, "prefill"):
         assert grew("splitserve_engine_steps_total", model) >= 1, model
         assert grew("splitserve_engine_busy_seconds_total", model) > 0, model

@@ -1,4 +1,5 @@
 import threading
+from contextlib import contextmanager
 from typing import Any
 
 from splitserve import SamplingParams
@@ -89,3 +90,20 @@ def test_cancelled_request_is_dropped_and_freed():
     assert sink.outputs[-1].finish_reason == "cancelled"
     assert len(sink.tokens) < 10
     assert loop.engine.scheduler.allocator.num_used == 0 and not loop.engine.has_unfinished()
+
+
+def test_engine_loop_runs_every_step_inside_around_step():
+    entered: list[int] = []
+
+    @contextmanager
+    def around():
+        entered.append(1)
+        yield
+
+    loop = make_loop(around_step=around)
+    loop.start()
+    sink = ListSink()
+    loop.add_request("0", [256, 7], SamplingParams(max_tokens=4, temperature=0.0), sink)
+    assert sink.done.wait(10)
+    loop.stop()
+    assert len(entered) == loop.num_steps > 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from string import Template
 
@@ -106,6 +106,40 @@ def default_cpu_layout(layout: str, engine: dict[str, str], cores: int | None = 
         prefill=RoleSpec(cpu_cores=prefill),
         decode=RoleSpec(cpu_cores=decode),
         colocated=RoleSpec(cpu_cores=f"0-{n - 1}"),
+    )
+
+
+def lending_refusal(layout: Layout) -> str | None:
+    """Why the prefill instance of ``layout`` cannot lend its cores to decode, or None."""
+    from splitserve.serving.config import parse_core_sets
+
+    if layout.device != "cpu" or "prefill" not in LAYOUTS[layout.layout]:
+        return "lending prefill cores needs a CPU layout with prefill and decode"
+    if layout.prefill.instances != 1 or layout.decode.instances != 1:
+        return "lending prefill cores needs one prefill and one decode instance"
+    prefill = parse_core_sets(layout.prefill.cpu_cores)
+    own = parse_core_sets(layout.decode.cpu_cores)
+    if len(prefill) != 1 or len(own) != 1 or prefill[0] & own[0]:
+        return (
+            "lending prefill cores needs one core set per role, with no core in both "
+            f"(prefill {layout.prefill.cpu_cores!r}, decode {layout.decode.cpu_cores!r})"
+        )
+    return None
+
+
+def lend_prefill_cores(layout: Layout, lock_path: str) -> Layout:
+    """The layout with its one prefill instance lending its cores to its one decode instance
+    between prompt passes (``serving.core_lend``): decode keeps its own cores' threads and adds
+    the prefill cores' for each step that starts while prefill is idle."""
+    refusal = lending_refusal(layout)
+    if refusal is not None:
+        raise ValueError(refusal)
+    lock = {"core_lock": lock_path}
+    lent = {**lock, "lent_cores": layout.prefill.cpu_cores}
+    return replace(
+        layout,
+        prefill=replace(layout.prefill, params={**layout.prefill.params, **lock}),
+        decode=replace(layout.decode, params={**layout.decode.params, **lent}),
     )
 
 

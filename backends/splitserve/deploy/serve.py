@@ -16,6 +16,8 @@ from splitserve.deploy.render import (
     RoleSpec,
     default_cpu_layout,
     default_gpu_layout,
+    lend_prefill_cores,
+    lending_refusal,
     parse_gpus,
     render,
 )
@@ -46,6 +48,10 @@ class ServeOptions:
     host: str = "0.0.0.0"
     repo_dir: Path | None = None
     thread_pool_size: int = 128
+    lend_prefill_cores: bool | None = None
+    """Decode also steps on the prefill cores while prefill is idle (``serving.core_lend``):
+    True requires it (CPU, one prefill and one decode instance on disjoint cores), False turns
+    it off, None (default) lends wherever the layout allows."""
     plan: Path | None = None
     """A ``plan.json`` from ``splitserve plan search``: it sets the layout, placement and batching
     limits; ``model`` and ``engine`` still apply (they override the plan's)."""
@@ -131,6 +137,10 @@ def prepare_cpu_kernels() -> None:
 def start_server(opts: ServeOptions) -> TritonServer:
     repo = opts.repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
     layout = build_layout(opts)
+    if opts.lend_prefill_cores or (
+        opts.lend_prefill_cores is None and lending_refusal(layout) is None
+    ):
+        layout = lend_prefill_cores(layout, str(repo / "core.lock"))
     if layout.device == "gpu":
         check_gpu_layout(layout)
     else:

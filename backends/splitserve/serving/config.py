@@ -25,6 +25,13 @@ class ServingConfig:
     cpu_cores: str = ""
     """Core sets per instance, ``;``-separated (``"0;1"``: instance 0 on core 0, instance 1 on
     core 1); each set is a list/range like ``0,2-3``. Empty leaves placement to the OS."""
+    core_lock: str = ""
+    """Path of the lock by which one prefill instance lends its cores to one decode instance
+    between prompt passes (``serving.core_lend``); both roles name the same path. Empty: no
+    lending."""
+    lent_cores: str = ""
+    """Decode with ``core_lock``: the prefill instance's cores (a set like ``0`` or ``0-1``),
+    on which it adds threads while prefill is idle."""
     default_max_tokens: int = 16
     prefill_retry_s: float = 60.0
     """How long ``llm`` keeps retrying a prompt while the prefill pool is full."""
@@ -44,6 +51,13 @@ class ServingConfig:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0: no bound)")
         parse_core_sets(self.cpu_cores)
+        borrows = self.role == "decode" and bool(self.core_lock)
+        if self.lent_cores and not borrows:
+            raise ValueError("lent_cores applies to the decode role with a core_lock")
+        if borrows and not self.lent_cores:
+            raise ValueError("core_lock on the decode role needs lent_cores")
+        if len(parse_core_sets(self.lent_cores)) > 1:
+            raise ValueError("lent_cores: one core set (the prefill instance's)")
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> ServingConfig:
@@ -60,6 +74,11 @@ class ServingConfig:
             else:
                 raise ValueError(f"unknown parameter {key!r} in config.pbtxt")
         return cls(engine=EngineConfig(**eng_kwargs), **own_kwargs)
+
+    @property
+    def lent_core_set(self) -> set[int]:
+        sets = parse_core_sets(self.lent_cores)
+        return sets[0] if sets else set()
 
     def cores_for(self, instance_index: int) -> set[int] | None:
         sets = parse_core_sets(self.cpu_cores)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 from splitserve.engine.engine import Engine
@@ -47,12 +48,15 @@ class EngineLoop:
         name: str = "engine",
         after_step: Callable[[EngineLoop], None] | None = None,
         on_step: Callable[[float, int], None] | None = None,
+        around_step: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         """``after_step`` runs on every turn of the loop, stepped or idle; ``on_step`` after each
-        step with its seconds and the number of outputs (tokens sampled) it made."""
+        step with its seconds and the number of outputs (tokens sampled) it made; each step runs
+        inside a fresh ``around_step()`` (e.g. ``core_lend.Borrower.step``)."""
         self.engine = engine
         self.after_step = after_step
         self.on_step = on_step
+        self.around_step = around_step
         self.cancel_poll_s = cancel_poll_s
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -159,7 +163,8 @@ class EngineLoop:
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step()
+                with self.around_step():
+                    outputs = self.engine.step()
             except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}", "internal")

@@ -37,6 +37,8 @@ COUNTERS = {
     "rate is the fraction of time the engine is busy",
     "engine_sampled_tokens_total": "Tokens sampled by this instance's forward passes; over "
     "engine_steps_total, the mean batch",
+    "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
+    "idle prefill instance (core_lock)",
 }
 ERRORS = ("errors_total", "Requests ended with an error or cancelled, by kind")
 HISTOGRAMS = {

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import nullcontext
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -14,6 +15,7 @@ from splitserve.engine.build import Components, build_components, scheduler_limi
 from splitserve.engine.engine import Engine
 from splitserve.kv.pool import KVPool
 from splitserve.serving.config import ServingConfig
+from splitserve.serving.core_lend import Borrower, borrower_for
 from splitserve.serving.drain import MESSAGE as DRAIN_MESSAGE
 from splitserve.serving.drain import DrainWatch
 from splitserve.serving.frontend import Prepared, prepare
@@ -24,7 +26,7 @@ from splitserve.serving.threads import on_own_thread
 from splitserve.triton.metrics import InstanceMetrics
 from splitserve.triton.setup import setup_instance
 from splitserve.triton.sink import SenderThread, TritonSink
-from splitserve.triton.tensors import FINAL, error_response, request_inputs
+from splitserve.triton.tensors import FINAL, error_response, instance_index, request_inputs
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +48,17 @@ class GenerateModelBase:
             args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
         )
         self.drain_watch = DrainWatch()
+        self.borrower: Borrower | None = None
+        if self.cfg.core_lock:
+            cores = self.cfg.cores_for(instance_index(args))
+            self.borrower = borrower_for(self.cfg.core_lock, cores, self.cfg.lent_core_set)
         self.loop = EngineLoop(
             engine,
             self.cfg.cancel_poll_s,
             name=f"{self.role}-engine",
             after_step=self._after_step,
             on_step=self.stats.step,
+            around_step=self.borrower.step if self.borrower else nullcontext,
         )
         self.loop.start()
         # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from
@@ -90,7 +97,7 @@ class GenerateModelBase:
         """Read on the engine thread, which owns the scheduler."""
         scheduler = self.loop.engine.scheduler
         allocator = scheduler.allocator
-        return {
+        gauges = {
             "kv_blocks_used": allocator.num_used,
             "kv_blocks_free": allocator.num_free,
             "requests_active": self.loop.num_active,
@@ -98,6 +105,9 @@ class GenerateModelBase:
             "kv_handoff_recomputes": scheduler.num_handoff_failures,
             **record_transport(self.stats, self.transport_counts()),
         }
+        if self.borrower is not None:
+            self.stats.set_total("engine_borrowed_steps_total", self.borrower.borrowed_steps)
+        return gauges
 
     def _refusal(self) -> str | None:
         """Why a valid request cannot be taken now (counted as ``unavailable``), or None."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from splitserve.engine.build import build_components
 from splitserve.engine.prefill import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.serving import handoff
+from splitserve.serving.core_lend import CoreLock
 from splitserve.serving.heap import HeapTrimmer
 from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.transport import get_transport
@@ -59,6 +61,11 @@ class PrefillModel:
         self.metrics = InstanceMetrics(args, self.stats, self._gauges)
         self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
         self.heap = HeapTrimmer()
+        self.core_lock = CoreLock(cfg.core_lock) if cfg.core_lock else None
+
+    def _computing(self) -> AbstractContextManager[object]:
+        """The cores to itself for one pass, if it lends them to decode between passes."""
+        return self.core_lock.lend() if self.core_lock else nullcontext()
 
     def _gauges(self) -> dict[str, float]:
         allocator = self.engine.allocator
@@ -97,9 +104,11 @@ class PrefillModel:
 
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
-        start = time.perf_counter()
         try:
-            first = self.engine.prefill(reqs)
+            with self._computing():
+                start = time.perf_counter()
+                first = self.engine.prefill(reqs)
+                seconds = time.perf_counter() - start
         except Exception as exc:
             log.exception("prefill failed")
             for i, _ in batch:
@@ -108,7 +117,7 @@ class PrefillModel:
                     f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
                 )
             return
-        self.stats.step(time.perf_counter() - start, len(first))
+        self.stats.step(seconds, len(first))
         for (i, req), token in zip(batch, first, strict=True):
             handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
             responses[i] = pb_utils.InferenceResponse(
@@ -122,3 +131,5 @@ class PrefillModel:
         self.refresher.stop()
         self.metrics.close()
         self.transport.close()
+        if self.core_lock is not None:
+            self.core_lock.close()
