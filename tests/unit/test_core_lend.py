@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.deploy.render import RoleSpec, default_cpu_layout, lend_prefill_cores
 from splitserve.serving.config import ServingConfig, parse_core_sets
-from splitserve.serving.core_lend import Borrower, CoreLock
+from splitserve.serving.core_lend import Borrower, CoreLock, borrower_for
 
 
 @pytest.fixture
@@ -98,6 +98,25 @@ def test_borrower_gives_the_cores_back_when_the_step_fails(locks):
     assert rec.calls[-2:] == [("threads", 2), ("affinity", [2, 3])]
     assert decode.try_borrow()
     decode.give_back()
+
+
+def test_borrower_gives_the_cores_back_when_pinning_fails(locks):
+    _, decode = locks
+
+    def refuse(cores: set[int]) -> None:
+        raise OSError("core not allowed")
+
+    borrower = Borrower(decode, {1}, {0}, lambda n: None, refuse)
+    with pytest.raises(OSError), borrower.step():
+        pass
+    assert decode.try_borrow()
+    decode.give_back()
+
+
+def test_lent_cores_must_be_usable_by_the_process(tmp_path):
+    with pytest.raises(ValueError, match="may use"):
+        borrower_for(str(tmp_path / "lock"), {1}, {7}, allowed={0, 1})
+    assert borrower_for(str(tmp_path / "lock"), {1}, {0}, allowed={0, 1}).lent == {0}
 
 
 def test_borrower_needs_disjoint_core_sets(locks):

@@ -107,24 +107,30 @@ class Borrower:
             return
         first = self.borrowed_steps == 0
         self.borrowed_steps += 1
-        if first:
-            self._set_affinity(self.own | self.lent)
-        self._set_threads(len(self.own) + len(self.lent))
         try:
+            if first:
+                self._set_affinity(self.own | self.lent)
+            self._set_threads(len(self.own) + len(self.lent))
             yield
         finally:
+            self.lock.give_back()
             self._set_threads(len(self.own))
             if first:
                 self._set_affinity(self.own)
-            self.lock.give_back()
 
 
-def borrower_for(path: str, own: set[int] | None, lent: set[int]) -> Borrower:
-    """The decode side of ``core_lock``, run by the engine thread (pinned to ``own``)."""
+def borrower_for(path: str, own: set[int] | None, lent: set[int], allowed: set[int]) -> Borrower:
+    """The decode side of ``core_lock``, run by the engine thread (pinned to ``own``);
+    ``allowed``: the cores this process may run on."""
     import torch
 
     if not own:
         raise ValueError("core_lock on decode needs its own cpu_cores")
+    if not (own | lent) <= allowed:
+        raise ValueError(
+            f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
+            f"this process may use {sorted(allowed)}"
+        )
     return Borrower(
         CoreLock(path),
         own,

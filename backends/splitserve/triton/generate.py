@@ -51,7 +51,9 @@ class GenerateModelBase:
         self.borrower: Borrower | None = None
         if self.cfg.core_lock:
             cores = self.cfg.cores_for(instance_index(args))
-            self.borrower = borrower_for(self.cfg.core_lock, cores, self.cfg.lent_core_set)
+            self.borrower = borrower_for(
+                self.cfg.core_lock, cores, self.cfg.lent_core_set, stub_cores
+            )
         self.loop = EngineLoop(
             engine,
             self.cfg.cancel_poll_s,
