@@ -31,7 +31,6 @@ class CoreLock:
     def __init__(self, path: str) -> None:
         if not path:
             raise ValueError("core_lock: a path is needed")
-        self.path = path
         self._claim = os.open(f"{path}.claim", os.O_RDWR | os.O_CREAT, 0o600)
         self._cores = os.open(f"{path}.cores", os.O_RDWR | os.O_CREAT, 0o600)
 
@@ -124,8 +123,7 @@ def borrower_for(path: str, own: set[int] | None, lent: set[int], allowed: set[i
     ``allowed``: the cores this process may run on."""
     import torch
 
-    if not own:
-        raise ValueError("core_lock on decode needs its own cpu_cores")
+    own = own or set()
     if not (own | lent) <= allowed:
         raise ValueError(
             f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
