@@ -67,7 +67,7 @@ class Recorder:
         self.calls.append(("affinity", sorted(cores)))
 
 
-def test_borrower_adds_a_thread_per_lent_core_and_pins_back_after_the_first_step(locks):
+def test_borrower_adds_a_thread_per_lent_core_made_on_the_lent_cores(locks):
     prefill, decode = locks
     rec = Recorder()
     borrower = Borrower(decode, {1}, {0}, rec.threads, rec.affinity)
@@ -75,7 +75,7 @@ def test_borrower_adds_a_thread_per_lent_core_and_pins_back_after_the_first_step
         with borrower.step():
             pass
     assert rec.calls == [
-        ("affinity", [0, 1]),
+        ("affinity", [0]),
         ("threads", 2),
         ("threads", 1),
         ("affinity", [1]),
@@ -92,12 +92,29 @@ def test_borrower_adds_a_thread_per_lent_core_and_pins_back_after_the_first_step
 def test_borrower_gives_the_cores_back_when_the_step_fails(locks):
     _, decode = locks
     rec = Recorder()
-    borrower = Borrower(decode, {2, 3}, {0, 1}, rec.threads, rec.affinity)
+    borrower = Borrower(decode, {1}, {0}, rec.threads, rec.affinity)
     with pytest.raises(RuntimeError), borrower.step():
         raise RuntimeError("step failed")
-    assert rec.calls[-2:] == [("threads", 2), ("affinity", [2, 3])]
+    assert rec.calls[-2:] == [("threads", 1), ("affinity", [1])]
     assert decode.try_borrow()
     decode.give_back()
+
+
+def test_borrower_with_several_own_cores_first_steps_on_them(locks):
+    _, decode = locks
+    rec = Recorder()
+    borrower = Borrower(decode, {2, 3}, {0, 1}, rec.threads, rec.affinity)
+    with borrower.step():
+        pass
+    assert rec.calls == [] and borrower.borrowed_steps == 0
+    with borrower.step():
+        pass
+    assert rec.calls == [
+        ("affinity", [0, 1]),
+        ("threads", 4),
+        ("threads", 2),
+        ("affinity", [2, 3]),
+    ]
 
 
 def test_borrower_gives_the_cores_back_when_pinning_fails(locks):

@@ -76,8 +76,12 @@ class Borrower:
     cores are free at the step's start; counts the borrowed steps.
 
     The engine thread stays on its own cores. The first borrowed step creates the OpenMP team's
-    extra workers; they inherit the engine thread's affinity at that moment, so for that step
-    it spans the lent cores too and is pinned back to its own after."""
+    extra workers, which inherit the engine thread's affinity at that moment: for that one step
+    the engine thread moves to the lent cores, so the workers it creates never run on its own
+    cores (where the scheduler otherwise often wakes them, beside the engine thread), and is
+    pinned back after. With more than one own core, borrowing starts after a step on the own
+    cores has created the team's workers for those (libgomp reuses a team's workers in the order
+    it made them)."""
 
     def __init__(
         self,
@@ -98,17 +102,19 @@ class Borrower:
         self._set_threads = set_threads
         self._set_affinity = set_affinity
         self.borrowed_steps = 0
+        self._own_team_made = len(own) == 1
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        if not self.lock.try_borrow():
+        if not self._own_team_made or not self.lock.try_borrow():
+            self._own_team_made = True
             yield
             return
         first = self.borrowed_steps == 0
         self.borrowed_steps += 1
         try:
             if first:
-                self._set_affinity(self.own | self.lent)
+                self._set_affinity(self.lent)
             self._set_threads(len(self.own) + len(self.lent))
             yield
         finally:
@@ -118,12 +124,11 @@ class Borrower:
                 self._set_affinity(self.own)
 
 
-def borrower_for(path: str, own: set[int] | None, lent: set[int], allowed: set[int]) -> Borrower:
+def borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> Borrower:
     """The decode side of ``core_lock``, run by the engine thread (pinned to ``own``);
     ``allowed``: the cores this process may run on."""
     import torch
 
-    own = own or set()
     if not (own | lent) <= allowed:
         raise ValueError(
             f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "

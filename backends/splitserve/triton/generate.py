@@ -48,11 +48,11 @@ class GenerateModelBase:
             args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
         )
         self.drain_watch = DrainWatch()
+        engine_cores = self.cfg.cores_for(instance_index(args)) or set()
         self.borrower: Borrower | None = None
         if self.cfg.core_lock:
-            cores = self.cfg.cores_for(instance_index(args))
             self.borrower = borrower_for(
-                self.cfg.core_lock, cores, self.cfg.lent_core_set, stub_cores
+                self.cfg.core_lock, engine_cores, self.cfg.lent_core_set, stub_cores
             )
         self.loop = EngineLoop(
             engine,
@@ -64,9 +64,10 @@ class GenerateModelBase:
         )
         self.loop.start()
         # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from
-        # here on (response sender, request intake) mostly move bytes: they may run on any core
-        # the stub had, so they take idle time elsewhere rather than the engine's.
-        os.sched_setaffinity(0, stub_cores)
+        # here on (response sender, request intake) mostly move bytes and wake often: they run
+        # on the stub's other cores where it has any, since the scheduler wakes a thread beside
+        # its waker and would put them on the engine's cores (BENCHMARKS.md, "Helper threads").
+        os.sched_setaffinity(0, (stub_cores - engine_cores) or stub_cores)
         self.sender = SenderThread()
 
     def _build_engine(self) -> Engine:
