@@ -106,8 +106,11 @@ class Borrower:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        if not self._own_team_made or not self.lock.try_borrow():
+        if not self._own_team_made:
             self._own_team_made = True
+            yield
+            return
+        if not self.lock.try_borrow():
             yield
             return
         first = self.borrowed_steps == 0
