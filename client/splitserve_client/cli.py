@@ -105,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         decode_cores=args.decode_cores,
         colocated_cores=args.colocated_cores,
         lend_prefill_cores=args.lend_prefill_cores,
+        server_cores=args.server_cores,
         device=args.device,
         prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus,
@@ -214,6 +215,11 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="decode also steps on the prefill cores while prefill is idle (CPU, one prefill "
         "and one decode instance; default: wherever the layout allows)",
+    )
+    s.add_argument(
+        "--server-cores",
+        help="cores for tritonserver's own threads (front ends, backend threads), e.g. '0', or "
+        "'all' (default: the prefill cores of a CPU layout with prefill, else all)",
     )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-model-len", type=int)

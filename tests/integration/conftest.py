@@ -22,7 +22,13 @@ from splitserve.deploy.launcher import (
     libpython_dir,
     live_group_members,
 )
-from splitserve.deploy.render import Layout, default_cpu_layout, lend_prefill_cores, render
+from splitserve.deploy.render import (
+    Layout,
+    default_cpu_layout,
+    default_server_cores,
+    lend_prefill_cores,
+    render,
+)
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.model.random_checkpoint import write_random_checkpoint
 from splitserve.transport.key import generate_key, key_environ
@@ -140,6 +146,8 @@ def splitserve_server(
         workdir=tmp_path_factory.mktemp("triton-splitserve"),
         install=triton_install,
         env=key_environ(handle_key),
+        # As `splitserve serve` deploys it: the server's own threads on the prefill core.
+        server_cores=default_server_cores(layout),
     )
     server.start(START_TIMEOUT_S)
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from splitserve.serving.affinity import ALLOWED_CORES_ENV, format_cores, pin_process_threads
 from splitserve.serving.drain import DRAIN_ENV
 from splitserve.transport.cleanup import sweep_dead_owners
 from splitserve.transport.key import generate_key, key_environ
@@ -209,6 +210,10 @@ class TritonServer:
 
     The server gets SIGTERM when the thread that called start() exits. Without `workdir`, a
     temporary one holds the backend copy and the log; it is removed after a clean exit only.
+
+    With ``server_cores``, the server's own threads move to those cores once it is ready; the
+    stubs, started before, keep the launcher's cores (named to them in
+    ``SPLITSERVE_ALLOWED_CORES`` for any stub started later).
     """
 
     def __init__(
@@ -227,6 +232,7 @@ class TritonServer:
         host: str = "127.0.0.1",
         install: TritonInstall | None = None,
         env: Mapping[str, str] | None = None,
+        server_cores: set[int] | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.http_port = http_port
@@ -239,6 +245,13 @@ class TritonServer:
         self.host = host
         self.install = install or find_tritonserver()
         self.env = dict(env or {})
+        self.allowed_cores = os.sched_getaffinity(0)
+        if server_cores is not None and not server_cores <= self.allowed_cores:
+            raise ValueError(
+                f"server cores {format_cores(server_cores)} are not all among the cores this "
+                f"process may use ({format_cores(self.allowed_cores)})"
+            )
+        self.server_cores = server_cores
         self._workdir = workdir
         self._owns_workdir = workdir is None
         self._given_log_file = log_file
@@ -327,6 +340,7 @@ class TritonServer:
                 **server_env(self.install),
                 **key_environ(generate_key()),
                 DRAIN_ENV: str(self._drain_file),
+                ALLOWED_CORES_ENV: format_cores(self.allowed_cores),
                 **self.env,
             },
             stdin=subprocess.DEVNULL,
@@ -344,6 +358,10 @@ class TritonServer:
         members = live_group_members(self._proc.pid)
         self._stub_regions = set(stub_shm_regions(members)).union(openmp_registrations(members))
         LOGGER.info("tritonserver ready in %.1f s (pid %d)", time.monotonic() - started, self.pid)
+        if self.server_cores is not None:
+            moved = pin_process_threads(self._proc.pid, self.server_cores)
+            cores = format_cores(self.server_cores)
+            LOGGER.info("moved tritonserver's %d threads to cores %s", moved, cores)
         return self
 
     def _wait_ready(self, deadline: float) -> None:

@@ -127,6 +127,18 @@ def lending_refusal(layout: Layout) -> str | None:
     return None
 
 
+def default_server_cores(layout: Layout) -> set[int] | None:
+    """Where tritonserver's own threads go by default: on CPUs, the prefill instances' cores,
+    away from decode's engine threads, whose steps pace every stream (TPOT); None (anywhere)
+    for GPU layouts and layouts without prefill."""
+    from splitserve.serving.config import parse_core_sets
+
+    if layout.device != "cpu" or "prefill" not in LAYOUTS[layout.layout]:
+        return None
+    cores = set().union(*parse_core_sets(layout.prefill.cpu_cores))
+    return cores or None
+
+
 def lend_prefill_cores(layout: Layout, lock_path: str) -> Layout:
     """The layout with its one prefill instance lending its cores to its one decode instance
     between prompt passes (``serving.core_lend``): decode keeps its own cores' threads and adds

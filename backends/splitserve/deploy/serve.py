@@ -16,11 +16,13 @@ from splitserve.deploy.render import (
     RoleSpec,
     default_cpu_layout,
     default_gpu_layout,
+    default_server_cores,
     lend_prefill_cores,
     lending_refusal,
     parse_gpus,
     render,
 )
+from splitserve.serving.affinity import parse_cores
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ class ServeOptions:
     """Decode also steps on the prefill cores while prefill is idle (``serving.core_lend``):
     True requires it (CPU, one prefill and one decode instance on disjoint cores), False turns
     it off, None (default) lends wherever the layout allows."""
+    server_cores: str | None = None
+    """Cores for tritonserver's own threads (front ends, backend threads), e.g. ``"0"``; ``all``
+    leaves them anywhere; None (default) puts them on the prefill cores of a CPU layout
+    (``render.default_server_cores``)."""
     plan: Path | None = None
     """A ``plan.json`` from ``splitserve plan search``: it sets the layout, placement and batching
     limits; ``model`` and ``engine`` still apply (they override the plan's)."""
@@ -134,6 +140,14 @@ def prepare_cpu_kernels() -> None:
     splitserve_kernels.prepare("cpu")
 
 
+def server_cores(opts: ServeOptions, layout: Layout) -> set[int] | None:
+    if opts.server_cores is None:
+        return default_server_cores(layout)
+    if opts.server_cores == "all":
+        return None
+    return parse_cores(opts.server_cores)
+
+
 def start_server(opts: ServeOptions) -> TritonServer:
     repo = opts.repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
     layout = build_layout(opts)
@@ -153,6 +167,7 @@ def start_server(opts: ServeOptions) -> TritonServer:
         metrics_port=opts.metrics_port,
         host=opts.host,
         backend_config={"python": {"thread-pool-size": opts.thread_pool_size}},
+        server_cores=server_cores(opts, layout),
     )
     return server.start()
 

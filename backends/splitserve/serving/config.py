@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.config import EngineConfig
+from splitserve.serving.affinity import allowed_cores, parse_cores
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -104,25 +105,23 @@ def _convert(key: str, raw: str, type_name: str) -> Any:
 
 
 def parse_core_sets(spec: str) -> list[set[int]]:
+    """``"0-1;2"`` -> ``[{0, 1}, {2}]``: one core set per instance."""
     sets = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        cores: set[int] = set()
-        for item in part.split(","):
-            lo, _, hi = item.strip().partition("-")
-            try:
-                cores.update(range(int(lo), int(hi or lo) + 1))
-            except ValueError:
-                raise ValueError(f"cpu_cores: cannot read {part!r}") from None
-        sets.append(cores)
+        try:
+            sets.append(parse_cores(part))
+        except ValueError as exc:
+            raise ValueError(f"cpu_cores: {exc}") from None
     return sets
 
 
 def pin_to_cores(cores: set[int] | None, num_threads: int | None) -> None:
-    """Restrict this process to ``cores`` and size torch's thread pool to match."""
+    """Restrict this thread to ``cores`` (else to every allowed core: a stub restarted after the
+    launcher narrowed the server's affinity inherits the narrow set) and size torch's thread
+    pool to match."""
     import torch
 
-    if cores:
-        os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, cores or allowed_cores())
     threads = num_threads or (len(cores) if cores else None)
     if threads:
         torch.set_num_threads(threads)

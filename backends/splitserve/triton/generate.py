@@ -14,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from splitserve.engine.build import Components, build_components, scheduler_limits
 from splitserve.engine.engine import Engine
 from splitserve.kv.pool import KVPool
+from splitserve.serving.affinity import allowed_cores
 from splitserve.serving.config import ServingConfig
 from splitserve.serving.core_lend import Borrower, borrower_for
 from splitserve.serving.drain import MESSAGE as DRAIN_MESSAGE
@@ -37,7 +38,7 @@ class GenerateModelBase:
     role = ""
 
     def initialize(self, args: dict[str, Any]) -> None:
-        stub_cores = os.sched_getaffinity(0)
+        stub_cores = allowed_cores()
         self.cfg: ServingConfig = setup_instance(args, self.role)
         self.instance_name = args["model_instance_name"]
         # CUDA's current device is per thread, and setup_instance set it on this one.
