@@ -1,9 +1,12 @@
-"""``splitserve plan``: the planner's subcommands (profile, calibrate, search) and their flags."""
+"""``splitserve plan``: the planner's subcommands (profile, calibrate, search, ceiling) and their
+flags."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from splitserve_client.plan_ceiling import add_ceiling_parser
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -230,3 +233,5 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", type=Path, help="every placement tried, with its attainment curve")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_plan_search)
+
+    add_ceiling_parser(psub)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -73,6 +74,16 @@ def test_quick_profile_of_tiny_through_the_cli(tmp_path: Path) -> None:
     assert profile.shape.kv_bytes_per_token == 2 * 4 * 4 * 32 * 4  # 2·layers·kv heads·dim·fp32
     assert profile.handoff.bytes_per_s > 0
     assert profile.hardware["logical_cpus"] == os.cpu_count()
+    assert unit.rates is not None
+    assert min(unit.rates.read_bytes_per_s, unit.rates.matmul_flops) > 0
+    ceiling = tmp_path / "ceiling.json"
+    cores = str(next(iter(profile.units)))
+    flags = ["--workload", "chatbot", "--tpot-slo", "0.1", "--cores", cores, "--json", str(ceiling)]
+    flags += ["--measured", "llm=1.5", "--num-requests", "50", "--max-model-len", "256"]
+    cli_main(["plan", "ceiling", "--profile", str(out), *flags])
+    doc = json.loads(ceiling.read_text())
+    assert set(doc["ceilings"]) == {"engine", "roofline"}
+    assert all(c["shared_rps"] > 0 for c in doc["ceilings"].values())
 
 
 def test_profile_pinned_to_one_core(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from splitserve.kv.layout import DTYPES
 from splitserve.model.config import ModelConfig
 from splitserve.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
-from splitserve.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
+from splitserve.planner.profile import ModelShape, Profile, Rates, ServingOverhead, UnitProfile
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,13 @@ def modelled_profile(
             weight_bytes=weight_bytes,
         ),
         handoff=HandoffFit(eff.handoff_fixed_s, spec.link_bandwidth * eff.link),
-        units={1: UnitProfile(threads=0, prefill=prefill, decode=decode)},
+        units={
+            1: UnitProfile(
+                threads=0,
+                prefill=prefill,
+                decode=decode,
+                rates=Rates(spec.memory_bandwidth, spec.dense_flops),
+            )
+        },
         serving=serving or ServingOverhead(),
     )

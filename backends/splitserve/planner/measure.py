@@ -22,7 +22,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.prefill import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.kv.layout import KVLayout
+from splitserve.kv.layout import DTYPES, KVLayout
 from splitserve.kv.pool import KVPool
 from splitserve.planner.fit import (
     DecodeSample,
@@ -32,7 +32,7 @@ from splitserve.planner.fit import (
     fit_handoff,
     fit_prefill,
 )
-from splitserve.planner.profile import ModelShape, UnitProfile
+from splitserve.planner.profile import ModelShape, Rates, UnitProfile
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,33 @@ def measure_unit(
         decode=fit_decode(decode),
         prefill_samples=tuple(prefill),
         decode_samples=tuple(decode),
+        rates=measure_rates(device, dtype),
     )
     return unit, parts
+
+
+def measure_rates(device: str, dtype: str, read_bytes: int = 1 << 30, repeats: int = 3) -> Rates:
+    """The roofline of this process's threads (or of the GPU): read bandwidth of a streaming
+    ``sum`` over ``read_bytes`` and FLOP/s of a 2048² matmul in ``dtype``; best of ``repeats``."""
+    n = 2048
+    x = torch.ones(read_bytes // 4, device=device)
+    a = torch.randn(n, n, device=device).to(DTYPES[dtype])
+    b = torch.randn(n, n, device=device).to(DTYPES[dtype])
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return Rates(read_bytes / timed(x.sum), 2 * n**3 / timed(lambda: a @ b))
 
 
 def model_shape(parts: Components, max_model_len: int) -> ModelShape:

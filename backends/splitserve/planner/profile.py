@@ -57,6 +57,15 @@ class Contention:
 
 
 @dataclass(frozen=True)
+class Rates:
+    """What the hardware of one instance does at best, whatever the engine: the roofline."""
+
+    read_bytes_per_s: float
+    matmul_flops: float
+    """FLOP/s of a large matmul in the profile's dtype."""
+
+
+@dataclass(frozen=True)
 class UnitProfile:
     """Fits for one instance size, and the samples they were fitted to."""
 
@@ -65,6 +74,7 @@ class UnitProfile:
     decode: DecodeFit
     prefill_samples: tuple[PrefillSample, ...] = ()
     decode_samples: tuple[DecodeSample, ...] = ()
+    rates: Rates | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +83,7 @@ class UnitProfile:
             "decode": self.decode.to_dict(),
             "prefill_samples": [asdict(s) for s in self.prefill_samples],
             "decode_samples": [asdict(s) for s in self.decode_samples],
+            "rates": asdict(self.rates) if self.rates else None,
         }
 
     @classmethod
@@ -83,6 +94,7 @@ class UnitProfile:
             decode=DecodeFit.from_dict(d["decode"]),
             prefill_samples=tuple(PrefillSample(**s) for s in d.get("prefill_samples", [])),
             decode_samples=tuple(DecodeSample(**s) for s in d.get("decode_samples", [])),
+            rates=Rates(**d["rates"]) if d.get("rates") else None,
         )
 
 

@@ -1,0 +1,113 @@
+"""What ``splitserve plan ceiling`` prints and writes: the engine's and the roofline's ceilings
+side by side, and measured goodputs as fractions of them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from splitserve.planner.ceiling import Ceilings, Lengths
+from splitserve.planner.profile import Profile
+
+LABEL = 36
+CELL = 24
+
+
+def _rps(x: float) -> str:
+    return f"{x:.2f}" if math.isfinite(x) else "inf"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def rates_line(profile: Profile) -> str:
+    parts = [
+        f"{k} {profile.unit_name}: read {u.rates.read_bytes_per_s / 1e9:.1f} GB/s, "
+        f"matmul {u.rates.matmul_flops / 1e9:.0f} GFLOP/s"
+        for k, u in sorted(profile.units.items())
+        if u.rates is not None
+    ]
+    return "  measured rates: " + ("; ".join(parts) if parts else "none in this profile")
+
+
+def _rows(unit: str, sources: Mapping[str, Ceilings]) -> list[tuple[str, list[str]]]:
+    first = next(iter(sources.values()))
+    one = unit[:-1]
+    rows: list[tuple[str, list[str]]] = []
+    for size in first.units:
+        pre, dec = [], []
+        for c in sources.values():
+            u = c.units.get(size)
+            pre.append(_rps(u.prefill_rps) if u else "-")
+            dec.append(f"{_rps(u.decode_rps)} (batch {u.token.batch})" if u else "-")
+        rows.append((f"one {size}-{one} instance, prefill only", pre))
+        rows.append((f"one {size}-{one} instance, decode only", dec))
+    rows.append(("any placement, phases sharing", [_rps(c.shared_rps) for c in sources.values()]))
+    sizes = [f"{c.prefill_size} / {c.decode_size}" for c in sources.values()]
+    rows.append(("  instance sizes, prefill / decode", sizes))
+    for p in first.split_rps:
+        split = [_rps(c.split_rps[p]) for c in sources.values()]
+        rows.append((f"disaggregated {p} + {first.devices - p}", split))
+    return rows
+
+
+def ceiling_lines(
+    profile: Profile,
+    lengths: Lengths,
+    tpot_s: float,
+    sources: Mapping[str, Ceilings],
+    measured: Mapping[str, float],
+) -> list[str]:
+    first = next(iter(sources.values()))
+    mean_prompt = sum(lengths.prompts) / len(lengths.prompts)
+    lines = [
+        f"steady-state ceilings on {first.devices} {profile.unit_name}, TPOT <= "
+        f"{tpot_s * 1e3:.0f} ms (fluid bounds: no queueing, no serving cost, no interference)",
+        f"  {len(lengths.prompts)} requests: mean prompt {mean_prompt:.0f}, mean output "
+        f"{lengths.mean_output:.0f}, decode context {lengths.mean_decode_context:.0f} per sequence",
+        rates_line(profile),
+        "  " + "req/s".ljust(LABEL) + "".join(n.rjust(CELL) for n in sources),
+    ]
+    for label, cells in _rows(profile.unit_name, sources):
+        lines.append("  " + label.ljust(LABEL) + "".join(c.rjust(CELL) for c in cells))
+    for label, rps in measured.items():
+        parts = [f"{rps / c.shared_rps:.2f} of the {n}'s" for n, c in sources.items()]
+        lines.append(f"  measured {label} {rps:.2f} req/s: " + ", ".join(parts))
+    return lines
+
+
+def ceiling_dict(
+    lengths: Lengths, tpot_s: float, sources: Mapping[str, Ceilings], measured: Mapping[str, float]
+) -> dict[str, Any]:
+    def one(c: Ceilings) -> dict[str, Any]:
+        return {
+            "devices": c.devices,
+            "shared_rps": _finite(c.shared_rps),
+            "prefill_size": c.prefill_size,
+            "decode_size": c.decode_size,
+            "split_rps": {str(p): _finite(r) for p, r in c.split_rps.items()},
+            "units": {
+                str(k): {
+                    "prefill_s": u.prefill_s,
+                    "prefill_rps": _finite(u.prefill_rps),
+                    "decode_rps": _finite(u.decode_rps),
+                    "token_s": _finite(u.token.seconds),
+                    "batch": u.token.batch,
+                }
+                for k, u in c.units.items()
+            },
+        }
+
+    return {
+        "tpot_slo": tpot_s,
+        "lengths": {
+            "requests": len(lengths.prompts),
+            "mean_prompt": sum(lengths.prompts) / len(lengths.prompts),
+            "mean_output": lengths.mean_output,
+            "mean_decode_context": lengths.mean_decode_context,
+        },
+        "ceilings": {name: one(c) for name, c in sources.items()},
+        "measured": dict(measured),
+    }

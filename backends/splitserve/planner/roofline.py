@@ -1,0 +1,72 @@
+"""Unit costs for the ceilings: from a profile's fits (this engine) and from its measured rates
+alone (any engine on the same hardware: the roofline).
+
+Roofline per instance, from the rates the profile measured with its threads or GPU
+(``planner.measure.measure_rates``): memory read bandwidth and the matmul rate. A prompt of
+``n`` tokens needs ``2·P·n`` matmul FLOPs (``P`` matmul parameters of the layers), the LM head
+for its last token and ``2·L·heads·head_dim·n²`` for causal attention. A decode step reads the
+weights once and each sequence's context, computes ``2·(P + hidden·vocab)`` FLOPs per sequence
+and its attention, and takes the larger of its read and compute times. Instances share the
+machine's memory bandwidth (``shared_rates``), not its matmul units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from splitserve.kv.layout import DTYPES
+from splitserve.model.config import ModelConfig
+from splitserve.planner.ceiling import UnitCost
+from splitserve.planner.gpu_model import matmul_params
+from splitserve.planner.profile import Profile, Rates, UnitProfile
+
+
+def engine_costs(profile: Profile) -> dict[int, UnitCost]:
+    """The profile's fits; a prefill pass's fixed cost is left out (batching amortises it)."""
+
+    def unit(fits: UnitProfile) -> UnitCost:
+        return UnitCost(
+            prefill=lambda n: fits.prefill.b * n + fits.prefill.c * n * n,
+            step=fits.decode,
+        )
+
+    return {size: unit(fits) for size, fits in profile.units.items()}
+
+
+def shared_rates(rates: Mapping[int, Rates], devices: int) -> dict[int, Rates]:
+    """Each instance size's rates when every device of the machine is busy: memory bandwidth
+    is the machine's, so ``k`` of ``devices`` get at most ``k / devices`` of what the largest
+    measured size reads (two cores of this machine read barely more than one)."""
+    fits = [k for k in rates if k <= devices]
+    if not fits:
+        return {}
+    whole = max(fits)
+    share = rates[whole].read_bytes_per_s / whole
+    return {
+        k: Rates(min(rates[k].read_bytes_per_s, share * k), rates[k].matmul_flops) for k in fits
+    }
+
+
+def roofline_costs(cfg: ModelConfig, profile: Profile, devices: int) -> dict[int, UnitCost]:
+    """For each instance size up to ``devices`` whose rates the profile measured (none: an empty
+    dict), at its share of the machine's bandwidth (``shared_rates``)."""
+    measured = {k: u.rates for k, u in profile.units.items() if u.rates is not None}
+    elt = DTYPES[profile.dtype].itemsize
+    params = matmul_params(cfg)
+    head = cfg.hidden_size * cfg.vocab_size
+    weight_bytes = (params + head) * elt
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+
+    def unit(r: Rates) -> UnitCost:
+        def prefill(n: int) -> float:
+            return (2 * params * n + 2 * head + attn * n * n) / r.matmul_flops
+
+        def step(batch: int, context: float) -> float:
+            read = (weight_bytes + context * kv_bytes) / r.read_bytes_per_s
+            compute = (2 * (params + head) * batch + 2 * attn * context) / r.matmul_flops
+            return max(read, compute)
+
+        return UnitCost(prefill, step)
+
+    return {k: unit(r) for k, r in shared_rates(measured, devices).items()}

@@ -1,0 +1,85 @@
+"""``splitserve plan ceiling``: how far a measured goodput is from what the engine, and the
+hardware under it, could sustain at all."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _measured(text: str) -> tuple[str, float]:
+    label, sep, value = text.rpartition("=")
+    try:
+        if not sep or not label:
+            raise ValueError
+        return label, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LABEL=REQ_PER_S, got {text!r}") from None
+
+
+def cmd_plan_ceiling(args: argparse.Namespace) -> None:
+    from splitserve.model import is_tiny
+    from splitserve.model.config import ModelConfig
+    from splitserve.model.tiny import tiny_config
+    from splitserve.planner.ceiling import Lengths, ceilings
+    from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines
+    from splitserve.planner.profile import Profile
+    from splitserve.planner.roofline import engine_costs, roofline_costs
+    from splitserve_client.bench.workloads import workload_lengths
+
+    profile = Profile.load(args.profile)
+    model = args.model or profile.model
+    cfg = tiny_config() if is_tiny(model) else ModelConfig.from_dir(model)
+    max_len = min(args.max_model_len, profile.shape.max_model_len)
+    pairs = workload_lengths(
+        args.workload,
+        args.num_requests,
+        max_len,
+        args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+    )
+    lengths = Lengths.of(pairs)
+    devices = args.cores or args.gpus
+    sources = {"engine": ceilings(engine_costs(profile), lengths, args.tpot_slo, devices)}
+    roofline = roofline_costs(cfg, profile, devices)
+    if roofline:
+        sources["roofline"] = ceilings(roofline, lengths, args.tpot_slo, devices)
+    measured = dict(args.measured or [])
+    print("\n".join(ceiling_lines(profile, lengths, args.tpot_slo, sources, measured)))
+    if args.json:
+        doc = ceiling_dict(lengths, args.tpot_slo, sources, measured)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def add_ceiling_parser(psub: argparse._SubParsersAction) -> None:
+    c = psub.add_parser(
+        "ceiling",
+        help="steady-state goodput ceilings of the profiled engine and of the hardware's roofline",
+    )
+    c.add_argument("--profile", type=Path, required=True)
+    c.add_argument("--model", help="checkpoint for the roofline's shapes (default: the profile's)")
+    c.add_argument(
+        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+    )
+    c.add_argument("--input-len", type=int)
+    c.add_argument("--output-len", type=int)
+    c.add_argument("--tpot-slo", type=float, required=True, help="seconds")
+    budget = c.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--cores", type=int, help="cores of the machine")
+    budget.add_argument("--gpus", type=int, help="GPUs of the machine")
+    c.add_argument("--max-model-len", type=int, default=2048)
+    c.add_argument("--num-requests", type=int, default=2000, help="requests to take lengths from")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--measured",
+        type=_measured,
+        action="append",
+        metavar="LABEL=REQ_PER_S",
+        help="a measured goodput to print as a fraction of the ceilings (repeatable)",
+    )
+    c.add_argument("--json", type=Path, help="write the ceilings here")
+    c.set_defaults(func=cmd_plan_ceiling)
