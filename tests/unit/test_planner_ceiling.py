@@ -17,7 +17,7 @@ from splitserve.planner.ceiling import (
 )
 from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines
 from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
-from splitserve.planner.gpu_model import matmul_params
+from splitserve.planner.gpu_model import H200, matmul_params, modelled_profile
 from splitserve.planner.profile import Rates
 from splitserve.planner.roofline import engine_costs, roofline_costs, shared_rates
 from splitserve_client.plan_ceiling import _measured
@@ -130,3 +130,11 @@ def test_measured_flag_parses_label_and_rate() -> None:
     for bad in ("llm", "=3", "llm=fast"):
         with pytest.raises(Exception, match="LABEL=REQ_PER_S"):
             _measured(bad)
+
+
+def test_modelled_gpus_each_keep_their_own_bandwidth() -> None:
+    cfg = tiny_config()
+    profile = modelled_profile(cfg, "tiny", "bfloat16")
+    step = roofline_costs(cfg, profile, 8)[1].step
+    weights = (matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size) * 2
+    assert step(1, 0.0) == pytest.approx(weights / H200.memory_bandwidth)

@@ -30,6 +30,7 @@ StepCost = Callable[[int, float], float]
 """Seconds of one decode step for ``batch`` sequences holding ``context`` tokens in all."""
 
 MAX_BATCH = 4096
+"""Largest decode batch considered (a GPU's KV memory usually allows less)."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ def rates_line(profile: Profile) -> str:
         for k, u in sorted(profile.units.items())
         if u.rates is not None
     ]
-    return "  measured rates: " + ("; ".join(parts) if parts else "none in this profile")
+    label = "datasheet rates" if profile.modelled else "measured rates"
+    return f"  {label}: " + ("; ".join(parts) if parts else "none in this profile")
 
 
 def _rows(unit: str, sources: Mapping[str, Ceilings]) -> list[tuple[str, list[str]]]:

@@ -7,7 +7,8 @@ Roofline per instance, from the rates the profile measured with its threads or G
 for its last token and ``2·L·heads·head_dim·n²`` for causal attention. A decode step reads the
 weights once and each sequence's context, computes ``2·(P + hidden·vocab)`` FLOPs per sequence
 and its attention, and takes the larger of its read and compute times. Instances share the
-machine's memory bandwidth (``shared_rates``), not its matmul units.
+machine's memory bandwidth (``shared_rates``; CPU only: each GPU has its own), not its matmul
+units.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def shared_rates(rates: Mapping[int, Rates], devices: int) -> dict[int, Rates]:
 
 
 def roofline_costs(cfg: ModelConfig, profile: Profile, devices: int) -> dict[int, UnitCost]:
-    """For each instance size up to ``devices`` whose rates the profile measured (none: an empty
-    dict), at its share of the machine's bandwidth (``shared_rates``)."""
+    """For each instance size up to ``devices`` whose rates the profile has (none: an empty
+    dict); on CPU at its share of the machine's bandwidth (``shared_rates``)."""
     measured = {k: u.rates for k, u in profile.units.items() if u.rates is not None}
     elt = DTYPES[profile.dtype].itemsize
     params = matmul_params(cfg)
@@ -69,4 +70,5 @@ def roofline_costs(cfg: ModelConfig, profile: Profile, devices: int) -> dict[int
 
         return UnitCost(prefill, step)
 
-    return {k: unit(r) for k, r in shared_rates(measured, devices).items()}
+    per_size = shared_rates(measured, devices) if profile.device == "cpu" else measured
+    return {k: unit(r) for k, r in per_size.items() if k <= devices}
