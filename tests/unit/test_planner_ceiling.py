@@ -58,6 +58,7 @@ def test_shared_and_split_ceilings_on_known_costs() -> None:
     assert c.shared_rps == pytest.approx(2 / (0.1 + 10 * 0.05 / 40))
     assert (c.prefill_size, c.decode_size) == (1, 1)
     assert c.split_rps == {1: pytest.approx(10)}
+    assert c.colocated_rps == {1: pytest.approx(c.shared_rps)}
     # Sharing every core between phases is never worse than any split of them.
     assert all(c.shared_rps >= r for r in c.split_rps.values())
 
@@ -79,6 +80,8 @@ def test_shared_ceiling_takes_each_phase_on_its_cheapest_instance_size() -> None
     c = ceilings({1: UNIT, 2: two}, lengths, tpot_s=0.05, devices=2)
     assert (c.prefill_size, c.decode_size) == (2, 1)
     assert c.shared_rps == pytest.approx(2 / (2 * 0.1 / 3 + 10 * 0.05 / 40))
+    assert c.colocated_rps[2] == pytest.approx(1 / (0.1 / 3 + 10 * 0.05 / 40))
+    assert c.colocated_rps[2] < c.shared_rps
 
 
 def test_engine_costs_leave_out_the_prefill_pass_fixed_cost() -> None:
@@ -120,6 +123,7 @@ def test_report_names_every_row_and_the_measured_fraction() -> None:
     lines = ceiling_lines(profile, lengths, 0.05, {"engine": c}, {"llm": c.shared_rps / 2})
     text = "\n".join(lines)
     assert "disaggregated 1 + 1" in text and "any placement" in text
+    assert "colocated, 1-core instances" in text
     assert "measured llm" in text and "0.50 of the engine's" in text
     doc = ceiling_dict(lengths, 0.05, {"engine": c}, {"llm": 1.0})
     assert doc["ceilings"]["engine"]["split_rps"]["1"] == pytest.approx(10)

@@ -14,8 +14,13 @@ Two ceilings come from one set of unit costs:
   and the devices' time is shared between the phases perfectly (no phase waits for the other):
   ``devices / (k_p·prefill + k_d·output·token)`` requests/s. No placement of the same engine
   beats it, disaggregated ones included;
+- **colocated**: instances of one size, each doing both phases;
 - **split**: ``p`` devices only prefill and ``d`` only decode, each side at its own ceiling;
   the rate is the smaller of the two.
+
+Interference is left out: a colocated instance's prefills delay its decode steps, which costs
+it TPOT (what disaggregation removes), so measured colocated goodput stays further below its
+ceiling than disaggregated does.
 """
 
 from __future__ import annotations
@@ -119,6 +124,9 @@ class Ceilings:
     """Instance size that prefills at the least cost per device (the shared bound uses it)."""
     decode_size: int
     """Instance size that decodes at the least cost per device."""
+    colocated_rps: dict[int, float]
+    """Instance size ``k`` dividing the devices → the ceiling of ``devices / k`` instances that
+    each do both phases (the colocated mode)."""
     split_rps: dict[int, float]
     """Prefill devices ``p`` (decode gets the rest) → the split's ceiling."""
 
@@ -152,5 +160,10 @@ def ceilings(
         )
         for p in range(1, devices)
     }
+    colocated = {
+        k: (devices // k) / (u.prefill_s + lengths.mean_output * u.token.seconds)
+        for k, u in units.items()
+        if devices % k == 0
+    }
     shared = devices / per_request if per_request > 0 else math.inf
-    return Ceilings(devices, units, shared, prefill, decode, split)
+    return Ceilings(devices, units, shared, prefill, decode, colocated, split)

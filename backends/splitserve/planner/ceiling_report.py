@@ -15,6 +15,8 @@ CELL = 24
 
 
 def _rps(x: float) -> str:
+    if math.isnan(x):
+        return "-"
     return f"{x:.2f}" if math.isfinite(x) else "inf"
 
 
@@ -48,6 +50,9 @@ def _rows(unit: str, sources: Mapping[str, Ceilings]) -> list[tuple[str, list[st
     rows.append(("any placement, phases sharing", [_rps(c.shared_rps) for c in sources.values()]))
     sizes = [f"{c.prefill_size} / {c.decode_size}" for c in sources.values()]
     rows.append(("  instance sizes, prefill / decode", sizes))
+    for k in first.colocated_rps:
+        cells = [_rps(c.colocated_rps.get(k, math.nan)) for c in sources.values()]
+        rows.append((f"colocated, {k}-{one} instances", cells))
     for p in first.split_rps:
         split = [_rps(c.split_rps[p]) for c in sources.values()]
         rows.append((f"disaggregated {p} + {first.devices - p}", split))
@@ -88,6 +93,7 @@ def ceiling_dict(
             "shared_rps": _finite(c.shared_rps),
             "prefill_size": c.prefill_size,
             "decode_size": c.decode_size,
+            "colocated_rps": {str(k): _finite(r) for k, r in c.colocated_rps.items()},
             "split_rps": {str(p): _finite(r) for p, r in c.split_rps.items()},
             "units": {
                 str(k): {
