@@ -30,15 +30,16 @@ def linear_step(batch: int, context: float) -> float:
 UNIT = UnitCost(prefill=lambda n: 0.1, step=linear_step)
 
 
-def test_lengths_average_the_context_over_every_decoded_token() -> None:
-    # Tokens 0, 1, 2 after a 10-token prompt read 10, 11 and 12 cached tokens.
+def test_lengths_average_the_context_over_every_decode_step() -> None:
+    # Prefill makes token 0; the steps making tokens 1 and 2 of a 10-token prompt read 11 and 12.
     lengths = Lengths.of([(10, 3)])
-    assert lengths.mean_output == 3
-    assert lengths.mean_decode_context == pytest.approx(11)
-    two = Lengths.of([(10, 3), (100, 1)])
-    assert two.mean_decode_context == pytest.approx((10 + 11 + 12 + 100) / 4)
-    with pytest.raises(ValueError, match="no tokens"):
-        Lengths.of([(10, 0)])
+    assert lengths.mean_output == 3 and lengths.decode_tokens == 2
+    assert lengths.mean_decode_context == pytest.approx(11.5)
+    two = Lengths.of([(10, 3), (100, 2)])
+    assert two.decode_tokens == pytest.approx(1.5)
+    assert two.mean_decode_context == pytest.approx((11 + 12 + 101) / 3)
+    with pytest.raises(ValueError, match="no decode step"):
+        Lengths.of([(10, 1)])
 
 
 def test_the_cheapest_token_is_at_the_largest_batch_within_the_target() -> None:
@@ -50,7 +51,7 @@ def test_the_cheapest_token_is_at_the_largest_batch_within_the_target() -> None:
 
 
 def test_shared_and_split_ceilings_on_known_costs() -> None:
-    lengths = Lengths(mean_output=10, mean_decode_context=0.0, prompts=(100,))
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
     c = ceilings({1: UNIT}, lengths, tpot_s=0.05, devices=2)
     unit = c.units[1]
     assert unit.prefill_rps == pytest.approx(10)
@@ -64,7 +65,7 @@ def test_shared_and_split_ceilings_on_known_costs() -> None:
 
 
 def test_a_side_without_an_instance_size_that_fits_has_no_rate() -> None:
-    lengths = Lengths(mean_output=10, mean_decode_context=0.0, prompts=(100,))
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
     c = ceilings({2: UNIT}, lengths, tpot_s=0.05, devices=3)
     assert c.split_rps == {1: 0.0, 2: 0.0}
     # Fluid: the third device counts, at the cost per device of two-device instances.
@@ -75,7 +76,7 @@ def test_a_side_without_an_instance_size_that_fits_has_no_rate() -> None:
 
 def test_shared_ceiling_takes_each_phase_on_its_cheapest_instance_size() -> None:
     # Two-core instances prefill at 3x the rate of one core (cheaper per core), decode at 1x.
-    lengths = Lengths(mean_output=10, mean_decode_context=0.0, prompts=(100,))
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
     two = UnitCost(prefill=lambda n: 0.1 / 3, step=linear_step)
     c = ceilings({1: UNIT, 2: two}, lengths, tpot_s=0.05, devices=2)
     assert (c.prefill_size, c.decode_size) == (2, 1)
@@ -117,7 +118,7 @@ def test_instances_share_the_machines_memory_bandwidth() -> None:
 
 
 def test_report_names_every_row_and_the_measured_fraction() -> None:
-    lengths = Lengths(mean_output=10, mean_decode_context=0.0, prompts=(100,))
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
     c = ceilings({1: UNIT}, lengths, tpot_s=0.05, devices=2)
     profile = synthetic_profile()
     lines = ceiling_lines(profile, lengths, 0.05, {"engine": c}, {"llm": c.shared_rps / 2})

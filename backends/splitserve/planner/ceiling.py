@@ -7,13 +7,13 @@ above it: the bench's fixed number of requests may end before the queue builds.)
 
 Per instance size (cores or GPUs per instance) a :class:`UnitCost` gives what prefill costs per
 prompt and what a decode step costs. A decoded token costs the least at the largest batch whose
-step still fits in the TPOT target; per request that is ``output_len`` tokens at that cost.
-Two ceilings come from one set of unit costs:
+step still fits in the TPOT target; a request needs ``output_len - 1`` of them (prefill makes
+the first). From one set of unit costs:
 
 - **shared**: each phase runs on the instance size that does it at the least cost per device,
   and the devices' time is shared between the phases perfectly (no phase waits for the other):
-  ``devices / (k_p·prefill + k_d·output·token)`` requests/s. No placement of the same engine
-  beats it, disaggregated ones included;
+  ``devices / (k_p·prefill + k_d·(output_len - 1)·token)`` requests/s. No placement of the same
+  engine beats it, disaggregated ones included;
 - **colocated**: instances of one size, each doing both phases;
 - **split**: ``p`` devices only prefill and ``d`` only decode, each side at its own ceiling;
   the rate is the smaller of the two.
@@ -49,20 +49,25 @@ class Lengths:
     """What the ceilings need of a workload's (input, output) lengths."""
 
     mean_output: float
+    decode_tokens: float
+    """Tokens per request that decode steps make: all but the first, which prefill makes."""
     mean_decode_context: float
-    """Context per sequence of an average decode step: token ``j`` of a request with prompt
-    ``n`` reads ``n + j`` cached tokens; averaged over every decoded token."""
+    """Context per sequence of an average decode step: the step that makes token ``j`` (from
+    0) of a request with prompt ``n`` reads ``n + j`` cached tokens."""
     prompts: tuple[int, ...]
 
     @classmethod
     def of(cls, pairs: Sequence[tuple[int, int]]) -> Lengths:
         if not pairs:
             raise ValueError("no requests to take lengths from")
-        tokens = sum(o for _, o in pairs)
-        if tokens == 0:
-            raise ValueError("the requests decode no tokens")
-        context = sum(o * n + o * (o - 1) / 2 for n, o in pairs) / tokens
-        return cls(tokens / len(pairs), context, tuple(n for n, _ in pairs))
+        steps = sum(o - 1 for _, o in pairs if o > 0)
+        if steps == 0:
+            raise ValueError("the requests need no decode step")
+        context = sum((o - 1) * n + o * (o - 1) / 2 for n, o in pairs if o > 0) / steps
+        count = len(pairs)
+        return cls(
+            sum(o for _, o in pairs) / count, steps / count, context, tuple(n for n, _ in pairs)
+        )
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ class UnitCeiling:
 def unit_ceiling(size: int, cost: UnitCost, lengths: Lengths, tpot_s: float) -> UnitCeiling:
     prefill_s = mean_prefill_s(cost.prefill, lengths.prompts)
     token = decode_token_cost(cost.step, lengths.mean_decode_context, tpot_s)
-    decode_s = lengths.mean_output * token.seconds
+    decode_s = lengths.decode_tokens * token.seconds
     return UnitCeiling(
         size,
         prefill_s,
@@ -152,7 +157,7 @@ def ceilings(
     prefill = min(units, key=lambda k: k * units[k].prefill_s)
     decode = min(units, key=lambda k: k * units[k].token.seconds)
     per_request = prefill * units[prefill].prefill_s
-    per_request += decode * lengths.mean_output * units[decode].token.seconds
+    per_request += decode * lengths.decode_tokens * units[decode].token.seconds
     split = {
         p: min(
             _side(p, units, lambda u: u.prefill_rps),
@@ -161,7 +166,7 @@ def ceilings(
         for p in range(1, devices)
     }
     colocated = {
-        k: (devices // k) / (u.prefill_s + lengths.mean_output * u.token.seconds)
+        k: (devices // k) / (u.prefill_s + lengths.decode_tokens * u.token.seconds)
         for k, u in units.items()
         if devices % k == 0
     }
