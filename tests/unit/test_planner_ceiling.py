@@ -125,7 +125,7 @@ def test_report_names_every_row_and_the_measured_fraction() -> None:
     text = "\n".join(lines)
     assert "disaggregated 1 + 1" in text and "any placement" in text
     assert "colocated, 1-core instances" in text
-    assert "measured llm" in text and "0.50 of the engine's" in text
+    assert "measured llm" in text and "0.50 of the engine (any placement)" in text
     doc = ceiling_dict(lengths, 0.05, {"engine": c}, {"llm": 1.0})
     assert doc["ceilings"]["engine"]["split_rps"]["1"] == pytest.approx(10)
 
