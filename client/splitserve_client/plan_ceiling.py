@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 
 def _measured(text: str) -> tuple[str, float]:
@@ -16,6 +17,43 @@ def _measured(text: str) -> tuple[str, float]:
         return label, float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected LABEL=REQ_PER_S, got {text!r}") from None
+
+
+def plot_ceilings(path: Path, doc: dict[str, Any], title: str) -> None:
+    """Bars: each ceiling of each source; lines: the measured goodputs across them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = doc["ceilings"]
+    first = next(iter(sources.values()))
+    devices = first["devices"]
+    rows: list[tuple[str, str, str | None]] = [("any placement", "shared_rps", None)]
+    rows += [(f"colocated, {k} per\ninstance", "colocated_rps", k) for k in first["colocated_rps"]]
+    rows += [
+        (f"disaggregated\n{p} + {devices - int(p)}", "split_rps", p) for p in first["split_rps"]
+    ]
+
+    def value(c: dict[str, Any], key: str, sub: str | None) -> float:
+        v = c[key] if sub is None else c[key].get(sub)
+        return float(v) if v is not None else 0.0
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    width = 0.8 / len(sources)
+    for i, (name, c) in enumerate(sources.items()):
+        xs = [j + (i - (len(sources) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [value(c, key, sub) for _, key, sub in rows], width, label=f"{name} ceiling")
+    for k, (label, rps) in enumerate(doc["measured"].items()):
+        ax.axhline(rps, color=f"C{k + len(sources)}", linestyle="--", label=f"measured {label}")
+    ax.set_xticks(range(len(rows)), [label for label, _, _ in rows])
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def cmd_plan_ceiling(args: argparse.Namespace) -> None:
@@ -48,11 +86,16 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
         sources["roofline"] = ceilings(roofline, lengths, args.tpot_slo, devices)
     measured = dict(args.measured or [])
     print("\n".join(ceiling_lines(profile, lengths, args.tpot_slo, sources, measured)))
+    doc = ceiling_dict(lengths, args.tpot_slo, sources, measured)
     if args.json:
-        doc = ceiling_dict(lengths, args.tpot_slo, sources, measured)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.plot:
+        slo = f"TPOT <= {args.tpot_slo * 1e3:.0f} ms"
+        title = f"{args.workload}, {slo}, {devices} {profile.unit_name}: steady-state ceilings"
+        plot_ceilings(args.plot, doc, title)
+        print(f"wrote {args.plot}")
 
 
 def add_ceiling_parser(psub: argparse._SubParsersAction) -> None:
@@ -82,4 +125,5 @@ def add_ceiling_parser(psub: argparse._SubParsersAction) -> None:
         help="a measured goodput to print as a fraction of the ceilings (repeatable)",
     )
     c.add_argument("--json", type=Path, help="write the ceilings here")
+    c.add_argument("--plot", type=Path, help="a PNG of the ceilings and the measured goodputs")
     c.set_defaults(func=cmd_plan_ceiling)

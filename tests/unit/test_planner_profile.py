@@ -80,10 +80,12 @@ def test_quick_profile_of_tiny_through_the_cli(tmp_path: Path) -> None:
     cores = str(next(iter(profile.units)))
     flags = ["--workload", "chatbot", "--tpot-slo", "0.1", "--cores", cores, "--json", str(ceiling)]
     flags += ["--measured", "llm=1.5", "--num-requests", "50", "--max-model-len", "256"]
+    flags += ["--plot", str(tmp_path / "ceiling.png")]
     cli_main(["plan", "ceiling", "--profile", str(out), *flags])
     doc = json.loads(ceiling.read_text())
     assert set(doc["ceilings"]) == {"engine", "roofline"}
     assert all(c["shared_rps"] > 0 for c in doc["ceilings"].values())
+    assert (tmp_path / "ceiling.png").stat().st_size > 0
 
 
 def test_profile_pinned_to_one_core(tmp_path: Path) -> None:
