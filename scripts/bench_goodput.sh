@@ -4,7 +4,10 @@
 #
 #   scripts/bench_goodput.sh CKPT WORKLOAD OUT_DIR [extra `splitserve bench` flags...]
 #
-# Both servers stay up for the whole run; targets are measured one after another.
+# Both servers stay up for the whole run; targets are measured one after another. Then, with the
+# servers stopped, the engine is profiled on the same cores and `splitserve plan ceiling` prints
+# each goodput as a fraction of the engine's and the roofline's ceilings (OUT_DIR/profile.json,
+# ceiling.json, ceiling.png; CEILING=0 skips it; CORES_TOTAL, default 2, is the machine's).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
@@ -35,3 +38,14 @@ until curl -sf http://127.0.0.1:18500/v2/health/ready >/dev/null; do sleep 1; do
     --target llm --target llm_colocated --target "openai:http://127.0.0.1:$VLLM_PORT/v1@ckpt" \
     --workload "$WORKLOAD" --tokenizer "$CKPT" --max-model-len "$MAX_LEN" --arrival poisson \
     --goodput --json "$OUT/goodput.json" --plot-dir "$OUT" "$@"
+
+cleanup
+trap - EXIT
+if [[ "${CEILING:-1}" != 0 ]]; then
+    TOTAL="${CORES_TOTAL:-2}"
+    "$BIN/splitserve" plan profile --model "$CKPT" --device cpu --dtype "$DTYPE" \
+        --cores "$(seq -s, 1 "$TOTAL")" --decode-batches 1,4,16,64,128,256 \
+        --out "$OUT/profile.json" --no-progress
+    "$BIN/splitserve" plan ceiling --profile "$OUT/profile.json" --cores "$TOTAL" \
+        --bench "$OUT/goodput.json" --json "$OUT/ceiling.json" --plot "$OUT/ceiling.png"
+fi

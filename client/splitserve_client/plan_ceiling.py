@@ -56,6 +56,40 @@ def plot_ceilings(path: Path, doc: dict[str, Any], title: str) -> None:
     plt.close(fig)
 
 
+BENCH_SETTINGS = ("workload", "input_len", "output_len", "tpot_slo", "max_model_len")
+DEFAULTS: dict[str, Any] = {"workload": "chatbot", "max_model_len": 2048}
+
+
+def from_bench(path: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """A ``splitserve bench --goodput --json`` report: its workload settings, and each target's
+    goodput."""
+    try:
+        doc = json.loads(path.read_text())
+        config = doc["config"]
+        goodputs = {s["target"]: float(s["goodput_rps"]) for s in doc["summary"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--bench {path}: not a bench goodput report ({e})") from None
+    return {k: config.get(k) for k in BENCH_SETTINGS}, goodputs
+
+
+def resolve(args: argparse.Namespace) -> dict[str, float]:
+    """Fills the workload settings left out from the first ``--bench`` report (or defaults),
+    and returns every measured goodput to show."""
+    measured: dict[str, float] = {}
+    settings: dict[str, Any] = {}
+    for path in args.bench or []:
+        found, goodputs = from_bench(path)
+        settings = settings or found
+        measured.update(goodputs)
+    measured.update(dict(args.measured or []))
+    for key in BENCH_SETTINGS:
+        if getattr(args, key) is None:
+            setattr(args, key, settings.get(key) or DEFAULTS.get(key))
+    if args.tpot_slo is None:
+        raise SystemExit("plan ceiling: give --tpot-slo (or a --bench report that has one)")
+    return measured
+
+
 def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     from splitserve.model import is_tiny
     from splitserve.model.config import ModelConfig
@@ -66,6 +100,7 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     from splitserve.planner.roofline import engine_costs, roofline_costs
     from splitserve_client.bench.workloads import workload_lengths
 
+    measured = resolve(args)
     profile = Profile.load(args.profile)
     model = args.model or profile.model
     cfg = tiny_config() if is_tiny(model) else ModelConfig.from_dir(model)
@@ -84,7 +119,6 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     roofline = roofline_costs(cfg, profile, devices)
     if roofline:
         sources["roofline"] = ceilings(roofline, lengths, args.tpot_slo, devices)
-    measured = dict(args.measured or [])
     print("\n".join(ceiling_lines(profile, lengths, args.tpot_slo, sources, measured)))
     doc = ceiling_dict(lengths, args.tpot_slo, sources, measured)
     if args.json:
@@ -106,15 +140,25 @@ def add_ceiling_parser(psub: argparse._SubParsersAction) -> None:
     c.add_argument("--profile", type=Path, required=True)
     c.add_argument("--model", help="checkpoint for the roofline's shapes (default: the profile's)")
     c.add_argument(
-        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+        "--bench",
+        type=Path,
+        action="append",
+        help="a `splitserve bench --goodput --json` report: each target's goodput is shown as a "
+        "fraction of the ceilings, and its workload, lengths and TPOT target are the defaults "
+        "(repeatable)",
+    )
+    c.add_argument(
+        "--workload",
+        choices=["chatbot", "code", "summarization", "fixed"],
+        help="default: the --bench report's, else chatbot",
     )
     c.add_argument("--input-len", type=int)
     c.add_argument("--output-len", type=int)
-    c.add_argument("--tpot-slo", type=float, required=True, help="seconds")
+    c.add_argument("--tpot-slo", type=float, help="seconds (default: the --bench report's)")
     budget = c.add_mutually_exclusive_group(required=True)
     budget.add_argument("--cores", type=int, help="cores of the machine")
     budget.add_argument("--gpus", type=int, help="GPUs of the machine")
-    c.add_argument("--max-model-len", type=int, default=2048)
+    c.add_argument("--max-model-len", type=int, help="default: the --bench report's, else 2048")
     c.add_argument("--num-requests", type=int, default=2000, help="requests to take lengths from")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument(

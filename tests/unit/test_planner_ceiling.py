@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 from test_planner_profile import synthetic_profile
@@ -20,7 +23,7 @@ from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
 from splitserve.planner.gpu_model import H200, matmul_params, modelled_profile
 from splitserve.planner.profile import Rates
 from splitserve.planner.roofline import engine_costs, roofline_costs, shared_rates
-from splitserve_client.plan_ceiling import _measured
+from splitserve_client.plan_ceiling import _measured, from_bench, resolve
 
 
 def linear_step(batch: int, context: float) -> float:
@@ -143,3 +146,18 @@ def test_modelled_gpus_each_keep_their_own_bandwidth() -> None:
     step = roofline_costs(cfg, profile, 8)[1].step
     weights = (matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size) * 2
     assert step(1, 0.0) == pytest.approx(weights / H200.memory_bandwidth)
+
+
+def test_a_bench_report_gives_the_goodputs_and_the_settings_left_out(tmp_path: Path) -> None:
+    report = tmp_path / "goodput.json"
+    config = {"workload": "summarization", "tpot_slo": 0.05, "max_model_len": 1024}
+    summary = [{"target": "llm", "goodput_rps": 2.5}, {"target": "llm_colocated", "goodput_rps": 2}]
+    report.write_text(json.dumps({"config": config, "summary": summary}))
+    args = argparse.Namespace(
+        bench=[report], measured=[("target", 5.0)], workload=None, input_len=None,
+        output_len=None, tpot_slo=0.1, max_model_len=None,
+    )  # fmt: skip
+    assert resolve(args) == {"llm": 2.5, "llm_colocated": 2.0, "target": 5.0}
+    assert (args.workload, args.tpot_slo, args.max_model_len) == ("summarization", 0.1, 1024)
+    with pytest.raises(SystemExit, match="not a bench goodput report"):
+        from_bench(tmp_path)

@@ -26,7 +26,7 @@ def _finite(x: float) -> float | None:
 
 def rates_line(profile: Profile) -> str:
     parts = [
-        f"{k} {profile.unit_name}: read {u.rates.read_bytes_per_s / 1e9:.1f} GB/s, "
+        f"{k} {profile.unit_name if k > 1 else profile.unit_name[:-1]}: read {u.rates.read_bytes_per_s / 1e9:.1f} GB/s, "
         f"matmul {u.rates.matmul_flops / 1e9:.0f} GFLOP/s"
         for k, u in sorted(profile.units.items())
         if u.rates is not None
