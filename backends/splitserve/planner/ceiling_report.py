@@ -24,9 +24,13 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _units(profile: Profile, n: int) -> str:
+    return profile.unit_name if n != 1 else profile.unit_name[:-1]
+
+
 def rates_line(profile: Profile) -> str:
     parts = [
-        f"{k} {profile.unit_name if k > 1 else profile.unit_name[:-1]}: read {u.rates.read_bytes_per_s / 1e9:.1f} GB/s, "
+        f"{k} {_units(profile, k)}: read {u.rates.read_bytes_per_s / 1e9:.1f} GB/s, "
         f"matmul {u.rates.matmul_flops / 1e9:.0f} GFLOP/s"
         for k, u in sorted(profile.units.items())
         if u.rates is not None
