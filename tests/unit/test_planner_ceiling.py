@@ -133,6 +133,20 @@ def test_report_names_every_row_and_the_measured_fraction() -> None:
     assert doc["ceilings"]["engine"]["split_rps"]["1"] == pytest.approx(10)
 
 
+def test_a_target_below_one_step_allows_no_rate() -> None:
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
+    c = ceilings({1: UNIT}, lengths, tpot_s=0.005, devices=2)
+    assert c.shared_rps == 0 and c.split_rps == {1: 0} and c.units[1].decode_rps == 0
+    lines = ceiling_lines(synthetic_profile(), lengths, 0.005, {"engine": c}, {"llm": 1.0})
+    assert "the engine allows 0" in lines[-1]
+    assert (
+        ceiling_dict(lengths, 0.005, {"engine": c}, {})["ceilings"]["engine"]["units"]["1"][
+            "token_s"
+        ]
+        is None
+    )
+
+
 def test_measured_flag_parses_label_and_rate() -> None:
     assert _measured("openai:http://h:1/v1@m=11.3") == ("openai:http://h:1/v1@m", 11.3)
     for bad in ("llm", "=3", "llm=fast"):

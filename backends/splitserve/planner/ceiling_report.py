@@ -83,7 +83,10 @@ def ceiling_lines(
     for label, cells in _rows(profile.unit_name, sources):
         lines.append("  " + label.ljust(LABEL) + "".join(c.rjust(CELL) for c in cells))
     for label, rps in measured.items():
-        parts = [f"{rps / c.shared_rps:.2f} of the {n}" for n, c in sources.items()]
+        parts = [
+            f"{rps / c.shared_rps:.2f} of the {n}" if c.shared_rps > 0 else f"the {n} allows 0"
+            for n, c in sources.items()
+        ]
         joined = ", ".join(parts)
         lines.append(f"  measured {label} {rps:.2f} req/s: {joined} (any placement)")
     return lines
