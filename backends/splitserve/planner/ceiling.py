@@ -56,6 +56,10 @@ class Lengths:
     0) of a request with prompt ``n`` reads ``n + j`` cached tokens."""
     prompts: tuple[int, ...]
 
+    @property
+    def mean_prompt(self) -> float:
+        return sum(self.prompts) / len(self.prompts)
+
     @classmethod
     def of(cls, pairs: Sequence[tuple[int, int]]) -> Lengths:
         if not pairs:
@@ -91,10 +95,6 @@ def decode_token_cost(step: StepCost, context: float, tpot_s: float) -> TokenCos
     return best
 
 
-def mean_prefill_s(prefill: PrefillCost, prompts: Sequence[int]) -> float:
-    return sum(prefill(n) for n in prompts) / len(prompts)
-
-
 @dataclass(frozen=True)
 class UnitCeiling:
     size: int
@@ -108,7 +108,7 @@ class UnitCeiling:
 
 
 def unit_ceiling(size: int, cost: UnitCost, lengths: Lengths, tpot_s: float) -> UnitCeiling:
-    prefill_s = mean_prefill_s(cost.prefill, lengths.prompts)
+    prefill_s = sum(cost.prefill(n) for n in lengths.prompts) / len(lengths.prompts)
     token = decode_token_cost(cost.step, lengths.mean_decode_context, tpot_s)
     decode_s = lengths.decode_tokens * token.seconds
     return UnitCeiling(

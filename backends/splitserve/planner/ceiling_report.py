@@ -39,9 +39,9 @@ def rates_line(profile: Profile) -> str:
     return f"  {label}: " + ("; ".join(parts) if parts else "none in this profile")
 
 
-def _rows(unit: str, sources: Mapping[str, Ceilings]) -> list[tuple[str, list[str]]]:
+def _rows(profile: Profile, sources: Mapping[str, Ceilings]) -> list[tuple[str, list[str]]]:
     first = next(iter(sources.values()))
-    one = unit[:-1]
+    one = _units(profile, 1)
     rows: list[tuple[str, list[str]]] = []
     for size in first.units:
         pre, dec = [], []
@@ -71,16 +71,15 @@ def ceiling_lines(
     measured: Mapping[str, float],
 ) -> list[str]:
     first = next(iter(sources.values()))
-    mean_prompt = sum(lengths.prompts) / len(lengths.prompts)
     lines = [
         f"steady-state ceilings on {first.devices} {profile.unit_name}, TPOT <= "
         f"{tpot_s * 1e3:.0f} ms (fluid bounds: no queueing, no serving cost, no interference)",
-        f"  {len(lengths.prompts)} requests: mean prompt {mean_prompt:.0f}, mean output "
+        f"  {len(lengths.prompts)} requests: mean prompt {lengths.mean_prompt:.0f}, mean output "
         f"{lengths.mean_output:.0f}, decode context {lengths.mean_decode_context:.0f} per sequence",
         rates_line(profile),
         "  " + "req/s".ljust(LABEL) + "".join(n.rjust(CELL) for n in sources),
     ]
-    for label, cells in _rows(profile.unit_name, sources):
+    for label, cells in _rows(profile, sources):
         lines.append("  " + label.ljust(LABEL) + "".join(c.rjust(CELL) for c in cells))
     for label, rps in measured.items():
         parts = [
@@ -119,7 +118,7 @@ def ceiling_dict(
         "tpot_slo": tpot_s,
         "lengths": {
             "requests": len(lengths.prompts),
-            "mean_prompt": sum(lengths.prompts) / len(lengths.prompts),
+            "mean_prompt": lengths.mean_prompt,
             "mean_output": lengths.mean_output,
             "mean_decode_context": lengths.mean_decode_context,
         },

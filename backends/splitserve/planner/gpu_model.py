@@ -65,6 +65,34 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * (attn + mlp)
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """What one model's steps read and compute, whatever runs them."""
+
+    params: int
+    """Matmul parameters of the layers."""
+    lm_head: int
+    read_bytes: int
+    """Weights a decode step reads: the layers' matrices and the LM head."""
+    kv_bytes_per_token: int
+    attention_flops: int
+    """Causal attention FLOPs per (query, key) pair over all layers, halved for causality:
+    ``2·L·heads·head_dim``."""
+
+
+def step_work(cfg: ModelConfig, dtype: str) -> StepWork:
+    elt = DTYPES[dtype].itemsize
+    params = matmul_params(cfg)
+    lm_head = cfg.hidden_size * cfg.vocab_size
+    return StepWork(
+        params=params,
+        lm_head=lm_head,
+        read_bytes=(params + lm_head) * elt,
+        kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt,
+        attention_flops=2 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
+    )
+
+
 def modelled_profile(
     cfg: ModelConfig,
     model: str,
@@ -77,17 +105,15 @@ def modelled_profile(
 ) -> Profile:
     eff = eff or Efficiency()
     elt = DTYPES[dtype].itemsize
-    params = matmul_params(cfg)
-    lm_head = cfg.hidden_size * cfg.vocab_size
+    work = step_work(cfg, dtype)
+    params, lm_head, kv_per_token = work.params, work.lm_head, work.kv_bytes_per_token
     weight_bytes = (params + lm_head * (1 if cfg.tie_word_embeddings else 2)) * elt
-    read_bytes = (params + lm_head) * elt
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
     bw = spec.memory_bandwidth * eff.bandwidth
-    fixed = read_bytes / bw + cfg.num_layers * eff.layer_overhead_s
+    fixed = work.read_bytes / bw + cfg.num_layers * eff.layer_overhead_s
     prefill = PrefillFit(
         a=fixed,
         b=2 * params / (spec.dense_flops * eff.matmul),
-        c=2 * cfg.num_layers * cfg.num_heads * cfg.head_dim / (spec.dense_flops * eff.attention),
+        c=work.attention_flops / (spec.dense_flops * eff.attention),
     )
     decode = DecodeFit(
         (

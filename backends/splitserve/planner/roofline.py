@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from splitserve.kv.layout import DTYPES
 from splitserve.model.config import ModelConfig
 from splitserve.planner.ceiling import UnitCost
-from splitserve.planner.gpu_model import matmul_params
+from splitserve.planner.gpu_model import step_work
 from splitserve.planner.profile import Profile, Rates, UnitProfile
 
 
@@ -52,21 +51,17 @@ def roofline_costs(cfg: ModelConfig, profile: Profile, devices: int) -> dict[int
     """For each instance size up to ``devices`` whose rates the profile has (none: an empty
     dict); on CPU at its share of the machine's bandwidth (``shared_rates``)."""
     measured = {k: u.rates for k, u in profile.units.items() if u.rates is not None}
-    elt = DTYPES[profile.dtype].itemsize
-    params = matmul_params(cfg)
-    head = cfg.hidden_size * cfg.vocab_size
-    weight_bytes = (params + head) * elt
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elt
-    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    w = step_work(cfg, profile.dtype)
 
     def unit(r: Rates) -> UnitCost:
         def prefill(n: int) -> float:
-            return (2 * params * n + 2 * head + attn * n * n) / r.matmul_flops
+            flops = 2 * w.params * n + 2 * w.lm_head + w.attention_flops * n * n
+            return flops / r.matmul_flops
 
         def step(batch: int, context: float) -> float:
-            read = (weight_bytes + context * kv_bytes) / r.read_bytes_per_s
-            compute = (2 * (params + head) * batch + 2 * attn * context) / r.matmul_flops
-            return max(read, compute)
+            read = (w.read_bytes + context * w.kv_bytes_per_token) / r.read_bytes_per_s
+            flops = 2 * (w.params + w.lm_head) * batch + 2 * w.attention_flops * context
+            return max(read, flops / r.matmul_flops)
 
         return UnitCost(prefill, step)
 
