@@ -36,12 +36,13 @@ def test_prefill_waits_for_the_borrowed_step_and_decode_yields_meanwhile(locks):
     assert decode.try_borrow()
     started = threading.Event()
     lent = threading.Event()
+    finish = threading.Event()
 
     def pass_() -> None:
         started.set()
         with prefill.lend():
             lent.set()
-            time.sleep(0.2)
+            finish.wait(5)
 
     thread = threading.Thread(target=pass_)
     thread.start()
@@ -51,6 +52,7 @@ def test_prefill_waits_for_the_borrowed_step_and_decode_yields_meanwhile(locks):
     decode.give_back()
     assert lent.wait(5)
     assert not decode.try_borrow()  # the pass holds the cores
+    finish.set()
     thread.join(5)
     assert decode.try_borrow()
     decode.give_back()
