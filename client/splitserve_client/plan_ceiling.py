@@ -95,7 +95,11 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     from splitserve.model.config import ModelConfig
     from splitserve.model.tiny import tiny_config
     from splitserve.planner.ceiling import Lengths, ceilings
-    from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines
+    from splitserve.planner.ceiling_report import (
+        ceiling_dict,
+        ceiling_lines,
+        extrapolation_lines,
+    )
     from splitserve.planner.profile import Profile
     from splitserve.planner.roofline import engine_costs, roofline_costs
     from splitserve_client.bench.workloads import workload_lengths
@@ -119,7 +123,8 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     roofline = roofline_costs(cfg, profile, devices)
     if roofline:
         sources["roofline"] = ceilings(roofline, lengths, args.tpot_slo, devices)
-    print("\n".join(ceiling_lines(profile, lengths, args.tpot_slo, sources, measured)))
+    lines = ceiling_lines(profile, lengths, args.tpot_slo, sources, measured)
+    print("\n".join(lines + extrapolation_lines(profile, sources["engine"])))
     doc = ceiling_dict(lengths, args.tpot_slo, sources, measured)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ from splitserve.planner.ceiling import (
     ceilings,
     decode_token_cost,
 )
-from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines
-from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
+from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines, extrapolation_lines
+from splitserve.planner.fit import DecodeFit, DecodeRange, DecodeSample, PrefillFit
 from splitserve.planner.gpu_model import H200, matmul_params, modelled_profile
 from splitserve.planner.profile import Rates
 from splitserve.planner.roofline import engine_costs, roofline_costs, shared_rates
@@ -131,6 +131,21 @@ def test_report_names_every_row_and_the_measured_fraction() -> None:
     assert "measured llm" in text and "0.50 of the engine (any placement)" in text
     doc = ceiling_dict(lengths, 0.05, {"engine": c}, {"llm": 1.0})
     assert doc["ceilings"]["engine"]["split_rps"]["1"] == pytest.approx(10)
+
+
+def test_a_ceiling_past_the_profiled_batches_says_its_fit_is_extrapolated() -> None:
+    lengths = Lengths(mean_output=11, decode_tokens=10, mean_decode_context=0.0, prompts=(100,))
+    c = ceilings({1: UNIT}, lengths, tpot_s=0.05, devices=2)  # best batch: 40
+    profile = synthetic_profile()
+    assert extrapolation_lines(profile, c) == []  # no samples: a modelled profile
+    measured = dataclasses.replace(
+        profile.units[1], decode_samples=tuple(DecodeSample(b, 0.0, 0.01) for b in (1, 4, 16))
+    )
+    (note,) = extrapolation_lines(dataclasses.replace(profile, units={1: measured}), c)
+    assert "batch 40, past the largest profiled (16)" in note
+    assert note.endswith("--decode-batches 1,4,16,32,64")
+    wide = dataclasses.replace(measured, decode_samples=(DecodeSample(64, 0.0, 0.1),))
+    assert extrapolation_lines(dataclasses.replace(profile, units={1: wide}), c) == []
 
 
 def test_a_target_below_one_step_allows_no_rate() -> None:

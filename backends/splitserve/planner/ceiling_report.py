@@ -91,6 +91,27 @@ def ceiling_lines(
     return lines
 
 
+def extrapolation_lines(profile: Profile, engine: Ceilings) -> list[str]:
+    """A note for each instance size whose engine decode ceiling sits at a batch past the
+    largest one the profile measured: the fit is extrapolated there, and the note says which
+    ``--decode-batches`` would measure it. Modelled profiles have no samples and get none."""
+    lines = []
+    for size, u in engine.units.items():
+        unit = profile.units.get(size)
+        batches = sorted({s.batch for s in unit.decode_samples}) if unit else []
+        if not batches or u.token.batch <= batches[-1]:
+            continue
+        wanted = list(batches)
+        while wanted[-1] < u.token.batch:
+            wanted.append(wanted[-1] * 2)
+        lines.append(
+            f"  note: the engine's decode ceiling on one {size}-{_units(profile, 1)} instance is "
+            f"at batch {u.token.batch}, past the largest profiled ({batches[-1]}): its fit is "
+            f"extrapolated there; profile with --decode-batches {','.join(map(str, wanted))}"
+        )
+    return lines
+
+
 def ceiling_dict(
     lengths: Lengths, tpot_s: float, sources: Mapping[str, Ceilings], measured: Mapping[str, float]
 ) -> dict[str, Any]:
