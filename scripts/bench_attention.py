@@ -20,20 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from splitserve.planner.measure import measure_rates
 from splitserve_kernels import cpu
 from splitserve_kernels.reference.attention import paged_decode_attention as reference
-
-
-def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Bytes/s one ``sum`` streams through with torch's current thread count."""
-    x = torch.ones(n_bytes // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best
 
 
 def per_call(fn: Callable[[int], object], calls: int) -> float:
@@ -84,7 +73,7 @@ def main() -> None:
     num_blocks = int(args.pool_gib * (1 << 30) // block_bytes)
     pool = torch.empty((args.layers, num_blocks, *slot_shape), dtype=dtype)
     pool.uniform_(-1, 1)
-    bandwidth = read_bandwidth()
+    bandwidth = measure_rates("cpu", args.dtype).read_bytes_per_s
     print(
         f"{args.dtype}, {args.threads} thread(s), batch {args.batch}, pool {num_blocks} blocks "
         f"({args.pool_gib:g} GiB, block tables {tables_kind(args)}); "

@@ -24,6 +24,8 @@ from splitserve.engine.engine import Engine
 from splitserve.model.export import to_hf_state_dict
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.tiny import TINY_HF_CONFIG
+from splitserve.planner.gpu_model import matmul_params
+from splitserve.planner.measure import measure_rates
 
 
 @dataclass
@@ -56,17 +58,6 @@ def memory_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * n_bytes / best
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes a decode step reads: every matrix but the embedding table (one row per token)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -75,14 +66,9 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     return total
 
 
-def matmul_params(model: LlamaForCausalLM) -> int:
-    per_layer = sum(p.numel() for n, p in model.layers[0].named_parameters() if p.dim() == 2)
-    return per_layer * model.cfg.num_layers
-
-
 def prefill_flops(model: LlamaForCausalLM, prompt_len: int) -> float:
     cfg = model.cfg
-    linear = 2 * matmul_params(model) * prompt_len
+    linear = 2 * matmul_params(cfg) * prompt_len
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * prompt_len**2 / 2
     lm_head = 2 * cfg.hidden_size * cfg.vocab_size
     return linear + attention + lm_head
@@ -90,7 +76,7 @@ def prefill_flops(model: LlamaForCausalLM, prompt_len: int) -> float:
 
 def decode_flops(model: LlamaForCausalLM, batch: int, context: float) -> float:
     cfg = model.cfg
-    linear = 2 * (matmul_params(model) + cfg.hidden_size * cfg.vocab_size) * batch
+    linear = 2 * (matmul_params(cfg) + cfg.hidden_size * cfg.vocab_size) * batch
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
     return linear + attention
 
@@ -233,8 +219,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="write a PNG bar chart here")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    bw, flops = memory_bandwidth(), matmul_flops(dtype)
+    bw, flops = memory_bandwidth(), measure_rates("cpu", args.dtype).matmul_flops
     print(
         f"threads={torch.get_num_threads()} copy bandwidth={bw / 1e9:.1f} GB/s "
         f"matmul={flops / 1e9:.1f} GFLOP/s ({args.dtype})"
