@@ -97,6 +97,7 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     for model in (*MODELS, "prefill"):
         assert grew("splitserve_engine_steps_total", model) >= 1, model
         assert grew("splitserve_engine_busy_seconds_total", model) > 0, model
+        assert grew("splitserve_engine_cpu_seconds_total", model) > 0, model
         assert grew("splitserve_engine_step_seconds_count", model) >= 1, model
     assert grew("splitserve_leases_granted_total", "prefill") >= N
     assert grew("splitserve_leases_released_total", "prefill") >= N

@@ -63,8 +63,8 @@ def test_streams_requests_and_ends_each_once():
 
 
 def test_each_step_reports_its_time_and_sampled_tokens():
-    steps: list[tuple[float, int]] = []
-    loop = make_loop(on_step=lambda seconds, tokens: steps.append((seconds, tokens)))
+    steps: list[tuple[float, int, float]] = []
+    loop = make_loop(on_step=lambda seconds, tokens, cpu: steps.append((seconds, tokens, cpu)))
     loop.start()
     p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     sinks = [ListSink() for _ in range(3)]
@@ -74,8 +74,8 @@ def test_each_step_reports_its_time_and_sampled_tokens():
         assert sink.done.wait(10)
     loop.stop()
     assert len(steps) == loop.num_steps
-    assert all(seconds > 0 for seconds, _ in steps)
-    assert sum(tokens for _, tokens in steps) == sum(len(s.tokens) for s in sinks) == 15
+    assert all(seconds > 0 and cpu > 0 for seconds, _, cpu in steps)
+    assert sum(tokens for _, tokens, _ in steps) == sum(len(s.tokens) for s in sinks) == 15
 
 
 def test_cancelled_request_is_dropped_and_freed():

@@ -48,19 +48,21 @@ def test_snapshot_reports_deltas_once():
 
 def test_steps_add_up_between_snapshots():
     stats = InstanceStats()
-    stats.step(0.5, 8)
-    stats.step(0.25, 2)
+    stats.step(0.5, 8, 0.5)
+    stats.step(0.25, 2, 0.125)
     first = stats.snapshot({})
     assert first.observations == [("step", 0.5), ("step", 0.25)]
     assert first.counters == {
         "engine_steps_total": 2.0,
         "engine_busy_seconds_total": 0.75,
+        "engine_cpu_seconds_total": 0.625,
         "engine_sampled_tokens_total": 10.0,
     }
-    stats.step(0.125, 1)
+    stats.step(0.125, 1, 0.0625)
     assert stats.snapshot({}).counters == {
         "engine_steps_total": 1.0,
         "engine_busy_seconds_total": 0.125,
+        "engine_cpu_seconds_total": 0.0625,
         "engine_sampled_tokens_total": 1.0,
     }
 

@@ -47,11 +47,12 @@ class EngineLoop:
         cancel_poll_s: float = 0.02,
         name: str = "engine",
         after_step: Callable[[EngineLoop], None] | None = None,
-        on_step: Callable[[float, int], None] | None = None,
+        on_step: Callable[[float, int, float], None] | None = None,
         around_step: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         """``after_step`` runs on every turn of the loop, stepped or idle; ``on_step`` after each
-        step with its seconds and the number of outputs (tokens sampled) it made; each step runs
+        step with its seconds, the number of outputs (tokens sampled) it made and the loop thread's
+        CPU seconds in it; each step runs
         inside a fresh ``around_step()`` (e.g. ``core_lend.Borrower.step``)."""
         self.engine = engine
         self.after_step = after_step
@@ -161,7 +162,7 @@ class EngineLoop:
                 self.after_step(self)
             if not self.engine.has_unfinished():
                 continue
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 with self.around_step():
                     outputs = self.engine.step()
@@ -171,7 +172,8 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             if self.on_step is not None:
-                self.on_step(time.perf_counter() - start, len(outputs))
+                seconds = time.perf_counter() - start
+                self.on_step(seconds, len(outputs), time.thread_time() - cpu)
             self._dispatch(outputs)
             self.heap.maybe_trim()
         self._fail_all("server is shutting down", "unavailable")

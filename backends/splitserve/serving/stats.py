@@ -35,6 +35,9 @@ COUNTERS = {
     "running batch, or a batch of prompts)",
     "engine_busy_seconds_total": "Seconds this instance's engine spent in forward passes; its "
     "rate is the fraction of time the engine is busy",
+    "engine_cpu_seconds_total": "CPU seconds the engine's own thread used in those passes; "
+    "busy seconds minus these is time it was runnable but not running (other threads on its "
+    "cores) or waiting for its OpenMP workers",
     "engine_sampled_tokens_total": "Tokens sampled by this instance's forward passes; over "
     "engine_steps_total, the mean batch",
     "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
@@ -135,13 +138,15 @@ class InstanceStats:
         if num_output_tokens > 1:
             self.observe("tpot", (now - first_token_at) / (num_output_tokens - 1))
 
-    def step(self, seconds: float, sampled_tokens: int) -> None:
-        """The engine ran one forward pass, which sampled ``sampled_tokens`` tokens."""
+    def step(self, seconds: float, sampled_tokens: int, cpu_seconds: float) -> None:
+        """The engine ran one forward pass of ``seconds``, ``cpu_seconds`` of them on its
+        thread's CPU time, which sampled ``sampled_tokens`` tokens."""
         with self._lock:
             self._observations.append(("step", seconds))
             for name, value in (
                 ("engine_steps_total", 1.0),
                 ("engine_busy_seconds_total", seconds),
+                ("engine_cpu_seconds_total", cpu_seconds),
                 ("engine_sampled_tokens_total", float(sampled_tokens)),
             ):
                 self._totals[name] = self._totals.get(name, 0.0) + value

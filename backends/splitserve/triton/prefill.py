@@ -106,9 +106,9 @@ class PrefillModel:
         reqs = [r for _, r in batch]
         try:
             with self._computing():
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 first = self.engine.prefill(reqs)
-                seconds = time.perf_counter() - start
+                seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
         except Exception as exc:
             log.exception("prefill failed")
             for i, _ in batch:
@@ -117,7 +117,7 @@ class PrefillModel:
                     f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
                 )
             return
-        self.stats.step(seconds, len(first))
+        self.stats.step(seconds, len(first), cpu)
         for (i, req), token in zip(batch, first, strict=True):
             handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
             responses[i] = pb_utils.InferenceResponse(
