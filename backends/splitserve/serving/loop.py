@@ -51,9 +51,9 @@ class EngineLoop:
         around_step: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         """``after_step`` runs on every turn of the loop, stepped or idle; ``on_step`` after each
-        step with its seconds, the number of outputs (tokens sampled) it made and the loop thread's
-        CPU seconds in it; each step runs
-        inside a fresh ``around_step()`` (e.g. ``core_lend.Borrower.step``)."""
+        step with its seconds, the number of outputs (tokens sampled) it made and the loop
+        thread's CPU seconds in it; each step runs inside a fresh ``around_step()`` (e.g.
+        ``core_lend.Borrower.step``)."""
         self.engine = engine
         self.after_step = after_step
         self.on_step = on_step
