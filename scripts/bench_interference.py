@@ -41,6 +41,7 @@ from splitserve.serving.affinity import parse_cores
 from splitserve_client.bench.workloads import workload_lengths
 
 CLI = (sys.executable, "-m", "splitserve_client.cli")
+OUT = Path(__file__).resolve().parents[1] / "out" / "interference"
 SAMPLE = re.compile(r'^splitserve_(engine_\w+_total)\{[^}]*model="(\w+)"[^}]*\} (\S+)$', re.M)
 
 
@@ -146,7 +147,7 @@ def main() -> None:
     ap.add_argument("--prefill-cores", default="0")
     ap.add_argument("--decode-cores", default="1")
     ap.add_argument("--base-port", type=int, default=18700)
-    ap.add_argument("--out", type=Path, default=Path("out/interference"))
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = checkpoint(args.model)
