@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from splitserve.deploy.serve import ServeOptions
 from splitserve.model.random_checkpoint import PRESETS, write_random_checkpoint
 from splitserve.tokenizer import Tokenizer, load_tokenizer
 from splitserve_client.bench.prompts import exact_prompts
 
-__all__ = ["checkpoint", "exact_prompts", "tokenizer_for"]
+__all__ = ["checkpoint", "exact_prompts", "loopback", "tokenizer_for"]
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
 
@@ -25,3 +27,20 @@ def checkpoint(name: str) -> str:
 
 def tokenizer_for(model: str) -> Tokenizer:
     return load_tokenizer(None if model == "tiny" else model)
+
+
+def loopback(
+    model: str, layout: str, base_port: int, engine: dict[str, str], **more: Any
+) -> ServeOptions:
+    """Serve options on 127.0.0.1: HTTP on ``base_port``, gRPC on the next, metrics on the one
+    after."""
+    return ServeOptions(
+        model=model,
+        layout=layout,
+        engine=engine,
+        http_port=base_port,
+        grpc_port=base_port + 1,
+        metrics_port=base_port + 2,
+        host="127.0.0.1",
+        **more,
+    )

@@ -28,12 +28,12 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from bench_common import checkpoint
+from bench_common import checkpoint, loopback
 from tqdm import tqdm
 
 from splitserve import SamplingParams
 from splitserve.config import EngineConfig
-from splitserve.deploy.serve import ServeOptions, start_server
+from splitserve.deploy.serve import start_server
 from splitserve.engine.build import build_components
 from splitserve.engine.prefill import PrefillEngine
 from splitserve.engine.request import Request
@@ -53,16 +53,14 @@ def counters(metrics_url: str) -> dict[tuple[str, str], float]:
 
 def served(args: argparse.Namespace, model: str, out: Path) -> dict[tuple[str, str], float]:
     """Counter increments of a bench run at ``args.rate`` against ``llm``."""
-    opts = ServeOptions(
-        model=model,
-        layout="disagg",
-        engine={"dtype": args.dtype, "max_model_len": str(args.max_model_len)},
+    engine = {"dtype": args.dtype, "max_model_len": str(args.max_model_len)}
+    opts = loopback(
+        model,
+        "disagg",
+        args.base_port,
+        engine,
         prefill_cores=args.prefill_cores,
         decode_cores=args.decode_cores,
-        http_port=args.base_port,
-        grpc_port=args.base_port + 1,
-        metrics_port=args.base_port + 2,
-        host="127.0.0.1",
     )
     server = start_server(opts)
     try:

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import tritonclient.grpc.aio as grpcaio
-from bench_common import checkpoint, exact_prompts, tokenizer_for
+from bench_common import checkpoint, exact_prompts, loopback, tokenizer_for
 
-from splitserve.deploy.serve import ServeOptions, start_server
+from splitserve.deploy.serve import start_server
 from splitserve_client.bench.openai_target import OpenAITarget
 from splitserve_client.generate import GenerateArgs
 from splitserve_client.stream import RequestRecord, stream_generate
@@ -123,15 +123,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     sizes = [args.waves * c for c in args.concurrencies]
     prompts = exact_prompts(tokenizer_for(model), max(sizes), args.prompt_len)
     port = args.base_port
-    opts = ServeOptions(
-        model=model,
-        layout="disagg",
-        engine={"max_model_len": str(args.max_model_len)},
-        http_port=port,
-        grpc_port=port + 1,
-        metrics_port=port + 2,
-        host="127.0.0.1",
-    )
+    opts = loopback(model, "disagg", port, {"max_model_len": str(args.max_model_len)})
     server = start_server(opts)
     frontend = None
     rows = []

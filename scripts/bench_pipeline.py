@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 import tritonclient.grpc.aio as grpcaio
-from bench_common import checkpoint, exact_prompts, tokenizer_for
+from bench_common import checkpoint, exact_prompts, loopback, tokenizer_for
 from tqdm import tqdm
 
 from splitserve import SamplingParams
 from splitserve.config import EngineConfig
-from splitserve.deploy.serve import ServeOptions, start_server
+from splitserve.deploy.serve import start_server
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
 from splitserve.kv.layout import KVLayout
@@ -106,15 +106,7 @@ def bench_model(name: str, args: argparse.Namespace) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     n = args.waves * max(args.concurrencies)
     prompts = exact_prompts(tokenizer_for(model), n, args.prompt_len)
-    opts = ServeOptions(
-        model=model,
-        layout="both",
-        engine={"max_model_len": str(args.max_model_len)},
-        http_port=args.base_port,
-        grpc_port=args.base_port + 1,
-        metrics_port=args.base_port + 2,
-        host="127.0.0.1",
-    )
+    opts = loopback(model, "both", args.base_port, {"max_model_len": str(args.max_model_len)})
     server = start_server(opts)
     try:
         for c in tqdm(args.concurrencies, desc=f"{name} served"):
