@@ -113,18 +113,19 @@ def offline_prefill_s(
     return total
 
 
-def report(got: dict[tuple[str, str], float], offline_s: float, prompts: int) -> dict[str, float]:
+def served_row(got: dict[tuple[str, str], float]) -> dict[str, float]:
+    """Per prompt (prefill) and per step (decode): wall and CPU milliseconds of the run."""
+
     def ms(model: str, name: str, per: float) -> float:
         return 1e3 * got.get((model, f"engine_{name}_total"), 0.0) / per
 
-    served_prompts = got.get(("prefill", "engine_sampled_tokens_total"), 0.0)
+    prompts = got.get(("prefill", "engine_sampled_tokens_total"), 0.0)
     steps = got.get(("llm", "engine_steps_total"), 0.0)
     return {
-        "prompts": served_prompts,
+        "prompts": prompts,
         "prefill_passes": got.get(("prefill", "engine_steps_total"), 0.0),
-        "prefill_wall_ms_per_prompt": ms("prefill", "busy_seconds", served_prompts),
-        "prefill_cpu_ms_per_prompt": ms("prefill", "cpu_seconds", served_prompts),
-        "prefill_offline_ms_per_prompt": 1e3 * offline_s / prompts,
+        "prefill_wall_ms_per_prompt": ms("prefill", "busy_seconds", prompts),
+        "prefill_cpu_ms_per_prompt": ms("prefill", "cpu_seconds", prompts),
         "decode_steps": steps,
         "decode_wall_ms_per_step": ms("llm", "busy_seconds", steps),
         "decode_cpu_ms_per_step": ms("llm", "cpu_seconds", steps),
@@ -149,15 +150,14 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = checkpoint(args.model)
-    got = served(args, model, args.out)
+    row = served_row(served(args, model, args.out))
     pairs = workload_lengths(args.workload, args.num_requests, args.max_model_len, args.seed)
     lengths = [n for n, _ in pairs]
-    prompts = got.get(("prefill", "engine_sampled_tokens_total"), 0.0)
-    passes = got.get(("prefill", "engine_steps_total"), 0.0)
-    batch = max(1, round(prompts / passes)) if passes else 1
-    row = report(got, offline_prefill_s(args, model, lengths, batch), len(lengths))
+    passes = row["prefill_passes"]
+    batch = max(1, round(row["prompts"] / passes)) if passes else 1
+    off = 1e3 * offline_prefill_s(args, model, lengths, batch) / len(lengths)
+    row["prefill_offline_ms_per_prompt"] = off
     wall, cpu = row["prefill_wall_ms_per_prompt"], row["prefill_cpu_ms_per_prompt"]
-    off = row["prefill_offline_ms_per_prompt"]
     print(
         f"prefill, {row['prompts']:.0f} prompts in {row['prefill_passes']:.0f} passes at "
         f"{args.rate:g} req/s: served {wall:.1f} ms a prompt ({cpu:.1f} of them on its CPU), "

@@ -172,8 +172,7 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             if self.on_step is not None:
-                seconds = time.perf_counter() - start
-                self.on_step(seconds, len(outputs), time.thread_time() - cpu)
+                self.on_step(time.perf_counter() - start, len(outputs), time.thread_time() - cpu)
             self._dispatch(outputs)
             self.heap.maybe_trim()
         self._fail_all("server is shutting down", "unavailable")
