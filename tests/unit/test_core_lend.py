@@ -1,14 +1,19 @@
-"""Prefill lending its cores to decode: the two flock locks, the borrower's thread switching,
-and the layout and config that turn it on."""
+"""Prefill lending its cores to decode: the two flock locks, the borrower's threads and where
+they run, its guard, and the layout and config that turn it on."""
 
+import os
 import threading
 import time
 
 import pytest
+import torch
 
 from splitserve.deploy.render import RoleSpec, default_cpu_layout, lend_prefill_cores
+from splitserve.serving.affinity import thread_affinity
 from splitserve.serving.config import ServingConfig, parse_core_sets
 from splitserve.serving.core_lend import Borrower, CoreLock, borrower_for
+from splitserve.serving.guard import GuardSettings, PayoffGuard
+from splitserve.serving.omp_team import TorchTeam
 
 
 @pytest.fixture
@@ -59,77 +64,145 @@ def test_prefill_waits_for_the_borrowed_step_and_decode_yields_meanwhile(locks):
 
 
 class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, object]] = []
+    """A ``ThreadTeam`` that records what the borrower asks of it."""
 
-    def threads(self, n: int) -> None:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def set_threads(self, n: int) -> None:
         self.calls.append(("threads", n))
 
-    def affinity(self, cores: set[int]) -> None:
-        self.calls.append(("affinity", sorted(cores)))
+    def grow(self, n: int, cores: set[int], home: set[int]) -> None:
+        self.calls.append(("grow", n, sorted(cores), sorted(home)))
 
 
-def test_borrower_adds_a_thread_per_lent_core_made_on_the_lent_cores(locks):
+class Always(PayoffGuard):
+    """A guard that always borrows and keeps what it was told."""
+
+    def __init__(self) -> None:
+        super().__init__("test")
+        self.records: list[tuple[int, bool, float]] = []
+
+    def use(self, size: int) -> bool:
+        return True
+
+    def record(self, size: int, used: bool, seconds: float) -> None:
+        self.records.append((size, used, seconds))
+
+
+def test_borrower_makes_the_lent_workers_on_the_lent_cores_once(locks):
     prefill, decode = locks
     rec = Recorder()
-    borrower = Borrower(decode, {1}, {0}, rec.threads, rec.affinity)
+    borrower = Borrower(decode, {1}, {0}, rec, Always())
     for _ in range(2):
-        with borrower.step():
+        with borrower.step(1):
             pass
-    assert rec.calls == [
-        ("affinity", [0]),
-        ("threads", 2),
-        ("threads", 1),
-        ("affinity", [1]),
-        ("threads", 2),
-        ("threads", 1),
-    ]
+    assert rec.calls == [("grow", 2, [0], [1]), ("threads", 1), ("threads", 2), ("threads", 1)]
     rec.calls.clear()
-    with prefill.lend(), borrower.step():
+    with prefill.lend(), borrower.step(1):
         pass
     assert rec.calls == [] and borrower.borrowed_steps == 2
     assert decode.try_borrow()  # every borrowed step gave the cores back
 
 
+def test_borrower_with_several_own_cores_remakes_the_lent_workers_each_borrowed_step(locks):
+    prefill, decode = locks
+    rec = Recorder()
+    borrower = Borrower(decode, {2, 3}, {0, 1}, rec, Always())
+    with prefill.lend(), borrower.step(1):
+        pass
+    assert rec.calls == [("grow", 2, [2, 3], [2, 3])]  # own workers first, on the own cores
+    rec.calls.clear()
+    for _ in range(2):
+        with borrower.step(1):
+            pass
+    assert rec.calls == [("grow", 4, [0, 1], [2, 3]), ("threads", 2)] * 2
+
+
 def test_borrower_gives_the_cores_back_when_the_step_fails(locks):
     _, decode = locks
     rec = Recorder()
-    borrower = Borrower(decode, {1}, {0}, rec.threads, rec.affinity)
-    with pytest.raises(RuntimeError), borrower.step():
+    guard = Always()
+    borrower = Borrower(decode, {1}, {0}, rec, guard)
+    with pytest.raises(RuntimeError), borrower.step(1):
         raise RuntimeError("step failed")
-    assert rec.calls[-2:] == [("threads", 1), ("affinity", [1])]
+    assert rec.calls[-1] == ("threads", 1) and guard.records == []
     assert decode.try_borrow()
     decode.give_back()
-
-
-def test_borrower_with_several_own_cores_first_steps_on_them(locks):
-    _, decode = locks
-    rec = Recorder()
-    borrower = Borrower(decode, {2, 3}, {0, 1}, rec.threads, rec.affinity)
-    with borrower.step():
-        pass
-    assert rec.calls == [] and borrower.borrowed_steps == 0
-    with borrower.step():
-        pass
-    assert rec.calls == [
-        ("affinity", [0, 1]),
-        ("threads", 4),
-        ("threads", 2),
-        ("affinity", [2, 3]),
-    ]
 
 
 def test_borrower_gives_the_cores_back_when_pinning_fails(locks):
     _, decode = locks
 
-    def refuse(cores: set[int]) -> None:
-        raise OSError("core not allowed")
+    class Refusing(Recorder):
+        def grow(self, n: int, cores: set[int], home: set[int]) -> None:
+            raise OSError("core not allowed")
 
-    borrower = Borrower(decode, {1}, {0}, lambda n: None, refuse)
-    with pytest.raises(OSError), borrower.step():
+    borrower = Borrower(decode, {1}, {0}, Refusing(), Always())
+    with pytest.raises(OSError), borrower.step(1):
         pass
     assert decode.try_borrow()
     decode.give_back()
+
+
+def test_borrower_times_for_the_guard_only_steps_that_found_the_cores_free(locks):
+    prefill, decode = locks
+    guard = PayoffGuard("test")
+    borrower = Borrower(decode, {1}, {0}, Recorder(), guard)
+    for _ in range(4):
+        with borrower.step(3):
+            pass
+    with prefill.lend(), borrower.step(3):
+        pass
+    arms = guard._arms[3]
+    assert len(arms.on) == len(arms.off) == 2  # alternated until it can compare
+    assert borrower.borrowed_steps == 2 and guard.withheld_steps == 2
+    assert decode.try_borrow()
+    decode.give_back()
+
+
+def test_borrower_stops_borrowing_where_it_does_not_pay(locks):
+    _, decode = locks
+    guard = PayoffGuard("test", GuardSettings(window=4, min_samples=2, probe_every=10))
+    borrower = Borrower(decode, {1}, {0}, Recorder(), guard)
+    for _ in range(20):
+        with borrower.step(1):
+            if decode.try_borrow():  # a borrowed step holds the cores: not this one
+                decode.give_back()
+            else:
+                time.sleep(0.01)  # borrowed steps are slow
+    assert guard.off_buckets == (1,)
+    assert borrower.borrowed_steps <= 2 + 2  # two to compare, then one probe in ten
+
+
+def test_borrowed_workers_run_on_the_lent_cores_whichever_step_first_needs_them(tmp_path):
+    """The defect this guards against: a worker made by a parallel region that first ran in a
+    later borrowed step, while the engine thread was back on its own core, shared that core
+    with the engine thread (50-200x slower decode steps)."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two cores")
+    own, lent = {min(allowed)}, {max(allowed)}
+    found: dict[str, set[int]] = {}
+
+    def engine_thread() -> None:
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(1)
+        before = set(os.listdir("/proc/self/task"))
+        lock = CoreLock(str(tmp_path / "core.lock"))
+        borrower = Borrower(lock, own, lent, TorchTeam(), Always())
+        with borrower.step(1):
+            pass  # a step too small for any parallel region
+        with borrower.step(1):
+            torch.ones(1 << 18).mul_(2.0)  # every thread of the team
+        lock.close()
+        for tid in set(os.listdir("/proc/self/task")) - before:
+            found[tid] = thread_affinity(os.getpid(), int(tid))
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join(30)
+    assert found and all(cores == lent for cores in found.values()), found
 
 
 def test_lent_cores_must_be_usable_by_the_process(tmp_path):
@@ -142,7 +215,7 @@ def test_borrower_needs_disjoint_core_sets(locks):
     _, decode = locks
     for own, lent in (({1}, set()), (set(), {0}), ({0, 1}, {1})):
         with pytest.raises(ValueError, match="disjoint"):
-            Borrower(decode, own, lent, print, print)
+            Borrower(decode, own, lent, Recorder())
 
 
 def test_layout_lends_the_prefill_cores_to_decode():

@@ -96,8 +96,8 @@ def test_engine_loop_runs_every_step_inside_around_step():
     entered: list[int] = []
 
     @contextmanager
-    def around():
-        entered.append(1)
+    def around(size: int):
+        entered.append(size)
         yield
 
     loop = make_loop(around_step=around)
@@ -106,4 +106,4 @@ def test_engine_loop_runs_every_step_inside_around_step():
     loop.add_request("0", [256, 7], SamplingParams(max_tokens=4, temperature=0.0), sink)
     assert sink.done.wait(10)
     loop.stop()
-    assert len(entered) == loop.num_steps > 0
+    assert len(entered) == loop.num_steps > 0 and set(entered) == {1}

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+
+from splitserve.serving.guard import PayoffGuard
+from splitserve.serving.omp_team import ThreadTeam, TorchTeam
 
 
 class CoreLock:
@@ -73,23 +77,21 @@ def _try_lock(fd: int) -> bool:
 
 class Borrower:
     """Runs each decode step on its own threads, or with one more per lent core when the lent
-    cores are free at the step's start; counts the borrowed steps.
+    cores are free at the step's start and borrowing pays (``guard``); counts both kinds.
 
-    The engine thread stays on its own cores. The first borrowed step creates the OpenMP team's
-    extra workers, which inherit the engine thread's affinity at that moment: for that one step
-    the engine thread moves to the lent cores, so the workers it creates never run on its own
-    cores (where the scheduler otherwise often wakes them, beside the engine thread), and is
-    pinned back after. With more than one own core, borrowing starts after a step on the own
-    cores has created the team's workers for those (libgomp reuses a team's workers in the order
-    it made them)."""
+    The engine thread stays on its own cores; the workers that borrowed steps add are made on
+    the lent cores (``omp_team``), once, before the first borrowed step. With more than one own
+    core every own-core step shrinks the team and ends those workers, so each borrowed step
+    makes them anew there. Only steps that found the lent cores free feed the guard, with and
+    without borrowing alike, so that both are timed while prefill is idle."""
 
     def __init__(
         self,
         lock: CoreLock,
         own: set[int],
         lent: set[int],
-        set_threads: Callable[[int], None],
-        set_affinity: Callable[[set[int]], None],
+        team: ThreadTeam,
+        guard: PayoffGuard | None = None,
     ) -> None:
         if not own or not lent or own & lent:
             raise ValueError(
@@ -99,48 +101,48 @@ class Borrower:
         self.lock = lock
         self.own = own
         self.lent = lent
-        self._set_threads = set_threads
-        self._set_affinity = set_affinity
+        self.team = team
+        self.guard = guard or PayoffGuard("borrowing prefill's cores")
         self.borrowed_steps = 0
         self._own_team_made = len(own) == 1
+        self._lent_team_made = False
 
     @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self, size: int) -> Iterator[None]:
+        """One engine step of ``size`` requests."""
         if not self._own_team_made:
+            self.team.grow(len(self.own), self.own, self.own)
             self._own_team_made = True
-            yield
-            return
         if not self.lock.try_borrow():
             yield
             return
-        first = self.borrowed_steps == 0
+        if not self.guard.use(size):
+            self.lock.give_back()
+            start = time.perf_counter()
+            yield
+            self.guard.record(size, False, time.perf_counter() - start)
+            return
         self.borrowed_steps += 1
         try:
-            if first:
-                self._set_affinity(self.lent)
-            self._set_threads(len(self.own) + len(self.lent))
+            if len(self.own) > 1 or not self._lent_team_made:
+                self.team.grow(len(self.own) + len(self.lent), self.lent, self.own)
+                self._lent_team_made = True
+            else:
+                self.team.set_threads(len(self.own) + len(self.lent))
+            start = time.perf_counter()
             yield
+            self.guard.record(size, True, time.perf_counter() - start)
         finally:
             self.lock.give_back()
-            self._set_threads(len(self.own))
-            if first:
-                self._set_affinity(self.own)
+            self.team.set_threads(len(self.own))
 
 
 def borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> Borrower:
     """The decode side of ``core_lock``, run by the engine thread (pinned to ``own``);
     ``allowed``: the cores this process may run on."""
-    import torch
-
     if not (own | lent) <= allowed:
         raise ValueError(
             f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
             f"this process may use {sorted(allowed)}"
         )
-    return Borrower(
-        CoreLock(path),
-        own,
-        lent,
-        torch.set_num_threads,
-        lambda cores: os.sched_setaffinity(0, cores),
-    )
+    return Borrower(CoreLock(path), own, lent, TorchTeam())

@@ -48,12 +48,12 @@ class EngineLoop:
         name: str = "engine",
         after_step: Callable[[EngineLoop], None] | None = None,
         on_step: Callable[[float, int, float], None] | None = None,
-        around_step: Callable[[], AbstractContextManager[object]] = nullcontext,
+        around_step: Callable[[int], AbstractContextManager[object]] | None = None,
     ) -> None:
         """``after_step`` runs on every turn of the loop, stepped or idle; ``on_step`` after each
         step with its seconds, the number of outputs (tokens sampled) it made and the loop
-        thread's CPU seconds in it; each step runs inside a fresh ``around_step()`` (e.g.
-        ``core_lend.Borrower.step``)."""
+        thread's CPU seconds in it; each step runs inside a fresh ``around_step(n)``, ``n`` the
+        requests the engine holds going into it (e.g. ``core_lend.Borrower.step``)."""
         self.engine = engine
         self.after_step = after_step
         self.on_step = on_step
@@ -162,9 +162,11 @@ class EngineLoop:
                 self.after_step(self)
             if not self.engine.has_unfinished():
                 continue
+            size = self.engine.scheduler.num_unfinished
+            around = self.around_step(size) if self.around_step else nullcontext()
             start, cpu = time.perf_counter(), time.thread_time()
             try:
-                with self.around_step():
+                with around:
                     outputs = self.engine.step()
             except Exception as exc:
                 log.exception("engine step failed")
