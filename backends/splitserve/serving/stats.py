@@ -23,6 +23,9 @@ GAUGES = {
     "queue_depth": "Requests accepted and not yet running (waiting for prefill, blocks, a slot)",
     "kv_handoff_recomputes": "Handed-over requests whose KV could not be pulled and was "
     "recomputed here (non-zero means the transport is failing)",
+    "engine_borrow_off_sizes": "Batch sizes (1-8, then power-of-two buckets) at which decode "
+    "does not borrow prefill's idle cores, because its borrowed steps there were not faster "
+    "than its own-core steps",
 }
 COUNTERS = {
     "leases_granted_total": "KV leases granted by prefill",
@@ -42,6 +45,8 @@ COUNTERS = {
     "engine_steps_total, the mean batch",
     "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
     "idle prefill instance (core_lock)",
+    "engine_borrow_withheld_steps_total": "Decode steps run on decode's own cores although "
+    "prefill's were free: where borrowing did not pay, and probes that keep timing both",
 }
 ERRORS = ("errors_total", "Requests ended with an error or cancelled, by kind")
 HISTOGRAMS = {

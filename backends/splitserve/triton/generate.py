@@ -6,7 +6,6 @@ import logging
 import os
 import time
 import uuid
-from contextlib import nullcontext
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -24,7 +23,7 @@ from splitserve.serving.inputs import InputError
 from splitserve.serving.loop import EngineLoop
 from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.serving.threads import on_own_thread
-from splitserve.triton.metrics import InstanceMetrics
+from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
 from splitserve.triton.setup import setup_instance
 from splitserve.triton.sink import SenderThread, TritonSink
 from splitserve.triton.tensors import FINAL, error_response, instance_index, request_inputs
@@ -45,9 +44,7 @@ class GenerateModelBase:
         gpu = self.cfg.engine.device.startswith("cuda")
         engine = self._build_engine() if gpu else on_own_thread(self._build_engine)
         self.stats = InstanceStats(self.cfg.max_queue)
-        self.metrics = InstanceMetrics(
-            args, self.stats, self._gauges, min_interval_s=self.cfg.metrics_interval_s
-        )
+        self.metrics = InstanceMetrics(args, self.stats, self._gauges)
         self.drain_watch = DrainWatch()
         engine_cores = self.cfg.cores_for(instance_index(args)) or set()
         self.borrower: Borrower | None = None
@@ -61,7 +58,7 @@ class GenerateModelBase:
             name=f"{self.role}-engine",
             after_step=self._after_step,
             on_step=self.stats.step,
-            around_step=self.borrower.step if self.borrower else nullcontext,
+            around_step=self.borrower.step if self.borrower else None,
         )
         self.loop.start()
         # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from
@@ -70,6 +67,9 @@ class GenerateModelBase:
         # its waker and would put them on the engine's cores (BENCHMARKS.md, "Helper threads").
         os.sched_setaffinity(0, (stub_cores - engine_cores) or stub_cores)
         self.sender = SenderThread()
+        # Publishing is an IPC per value (one per step for the step histogram): off the engine
+        # thread, where it stalled a decode step every metrics interval.
+        self.refresher = MetricsRefresher(self.metrics, self.cfg.metrics_interval_s)
 
     def _build_engine(self) -> Engine:
         """Everything that runs torch ops before serving; on a thread of its own, so that the
@@ -95,10 +95,9 @@ class GenerateModelBase:
             log.info("%s: draining, the server is stopping", self.instance_name)
             loop.drain(DRAIN_MESSAGE)
         self.stats.set_running(len(loop.engine.scheduler.running))
-        self.metrics.update()
 
     def _gauges(self) -> dict[str, float]:
-        """Read on the engine thread, which owns the scheduler."""
+        """Read on the metrics thread: sizes and counts that the engine thread updates."""
         scheduler = self.loop.engine.scheduler
         allocator = scheduler.allocator
         gauges = {
@@ -110,7 +109,10 @@ class GenerateModelBase:
             **record_transport(self.stats, self.transport_counts()),
         }
         if self.borrower is not None:
+            guard = self.borrower.guard
             self.stats.set_total("engine_borrowed_steps_total", self.borrower.borrowed_steps)
+            self.stats.set_total("engine_borrow_withheld_steps_total", guard.withheld_steps)
+            gauges["engine_borrow_off_sizes"] = len(guard.off_buckets)
         return gauges
 
     def _refusal(self) -> str | None:
@@ -151,6 +153,7 @@ class GenerateModelBase:
     def finalize(self) -> None:
         self.loop.stop()
         self.sender.stop()
+        self.refresher.stop()
         self.metrics.close()
         log.info("%s finalized", self.role)
 

@@ -1,0 +1,117 @@
+"""Keeps an adaptive mechanism on only where it measurably pays.
+
+A mechanism that changes how an engine step runs (decode borrowing prefill's cores, and any
+later one) is a bet that steps get faster. The guard checks the bet as the server runs: per step
+size (the batch), it keeps the recent step times with the mechanism and without it, and holds
+the mechanism off at a size where its median is not below the median without it. Both arms stay
+measured: until each has ``min_samples`` at a size the guard alternates them, and afterwards
+one step in ``probe_every`` takes the arm it would not, so a decision follows a change in
+either direction. The first time it holds the mechanism off at a size it logs why, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+EXACT_SIZES = 8
+"""Step sizes up to this are compared on their own; larger ones by power-of-two bucket."""
+
+
+def size_bucket(size: int) -> int:
+    """The key a step of ``size`` requests is compared under: 1..8, then 16, 32, 64, ..."""
+    if size <= EXACT_SIZES:
+        return max(size, 1)
+    return 1 << (size - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    window: int = 16
+    """Step times kept per arm and bucket; decisions compare their medians."""
+    min_samples: int = 4
+    """Samples each arm needs at a bucket before the guard decides there."""
+    probe_every: int = 32
+    """Once decided, one step in this many (per bucket) takes the other arm."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_samples <= self.window:
+            raise ValueError("min_samples must be in [1, window]")
+        if self.probe_every < 2:
+            raise ValueError("probe_every must be at least 2")
+
+
+@dataclass
+class _Arms:
+    on: deque[float]
+    off: deque[float]
+    calls: int = 0
+    logged: bool = False
+
+    def pays(self, min_samples: int) -> bool | None:
+        """Whether the mechanism made steps faster here; None until both arms have samples."""
+        if len(self.on) < min_samples or len(self.off) < min_samples:
+            return None
+        return statistics.median(self.on) < statistics.median(self.off)
+
+
+@dataclass
+class PayoffGuard:
+    """Decides, step by step, whether ``name`` is used; fed back the time of every step it
+    decided. Used by one thread (the engine loop's)."""
+
+    name: str
+    settings: GuardSettings = field(default_factory=GuardSettings)
+    withheld_steps: int = 0
+    """Steps run without the mechanism by the guard's choice (probes included)."""
+    off_buckets: tuple[int, ...] = ()
+    """Step-size buckets at which the mechanism is held off now (replaced, never changed in
+    place: other threads read it)."""
+    _arms: dict[int, _Arms] = field(default_factory=dict)
+
+    def use(self, size: int) -> bool:
+        """Whether the next step, of ``size`` requests, should use the mechanism."""
+        arms = self._at(size)
+        arms.calls += 1
+        decided = arms.pays(self.settings.min_samples)
+        if decided is None:
+            choice = len(arms.on) <= len(arms.off)
+        else:
+            choice = decided != (arms.calls % self.settings.probe_every == 0)
+        if not choice:
+            self.withheld_steps += 1
+        return choice
+
+    def record(self, size: int, used: bool, seconds: float) -> None:
+        """The step the guard decided on took ``seconds``."""
+        arms = self._at(size)
+        (arms.on if used else arms.off).append(seconds)
+        pays = arms.pays(self.settings.min_samples)
+        key = size_bucket(size)
+        if (pays is False) != (key in self.off_buckets):
+            off = set(self.off_buckets) ^ {key}
+            self.off_buckets = tuple(sorted(off))
+        if pays is False and not arms.logged:
+            arms.logged = True
+            log.info(
+                "%s does not pay at %d requests per step (median %.2f ms with it, %.2f ms "
+                "without, over the last %d and %d steps): holding it off there while that lasts",
+                self.name,
+                size_bucket(size),
+                statistics.median(arms.on) * 1e3,
+                statistics.median(arms.off) * 1e3,
+                len(arms.on),
+                len(arms.off),
+            )
+
+    def _at(self, size: int) -> _Arms:
+        key = size_bucket(size)
+        arms = self._arms.get(key)
+        if arms is None:
+            window = self.settings.window
+            arms = self._arms[key] = _Arms(deque(maxlen=window), deque(maxlen=window))
+        return arms
