@@ -6,10 +6,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from splitserve_client.openai_api.options import OpenAIOptions, add_frontend_arguments
 from splitserve_client.openai_api.options import add_arguments as add_openai_arguments
 from splitserve_client.plan_cli import add_plan_parsers
+
+if TYPE_CHECKING:
+    from splitserve_client.openai_api.server import BackgroundFrontend
 
 
 def _engine_params(args: argparse.Namespace) -> dict[str, str]:
@@ -41,6 +45,17 @@ def _frontend_beside(args: argparse.Namespace) -> OpenAIOptions:
         chat_template=args.chat_template,
         log_level=args.openai_log_level,
     )
+
+
+def _start_frontend(options: OpenAIOptions) -> BackgroundFrontend:
+    """``serve --openai-port``: the frontend, started by ``serve_forever`` once Triton is ready,
+    so that no gRPC client lives in this process while tritonserver is spawned."""
+    # Imported only here: `serve` without --openai-port loads neither FastAPI nor gRPC.
+    from splitserve_client.openai_api.server import BackgroundFrontend
+
+    frontend = BackgroundFrontend(options).start()
+    print(f"  OpenAI   http://{options.host}:{options.port}/v1", flush=True)
+    return frontend
 
 
 PLACEMENT_FLAGS = (
@@ -91,7 +106,6 @@ def _resolve_serve_args(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from splitserve.deploy.serve import ServeOptions, serve_forever
-    from splitserve_client.openai_api.server import BackgroundFrontend
 
     _resolve_serve_args(args)
     opts = ServeOptions(
@@ -120,13 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.openai_port is None:
         serve_forever(opts)
         return
-    # Started first: it answers 503 until Triton is up, and finds the model on first use.
-    frontend = BackgroundFrontend(_frontend_beside(args)).start()
-    print(f"  OpenAI   http://{args.host}:{args.openai_port}/v1", flush=True)
-    try:
-        serve_forever(opts)
-    finally:
-        frontend.stop()
+    frontend_opts = _frontend_beside(args)
+    serve_forever(opts, lambda _server: _start_frontend(frontend_opts))
 
 
 def cmd_openai(args: argparse.Namespace) -> None:

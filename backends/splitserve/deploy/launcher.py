@@ -8,7 +8,6 @@ Two installs are supported: the NGC container (`/opt/tritonserver`, stub already
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import importlib.util
 import logging
@@ -49,7 +48,6 @@ ACTIVE_REQUESTS = re.compile(
 """A metrics line of an instance with active requests."""
 LOG_TAIL_BYTES = 8192
 PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 
 
 @dataclass(frozen=True)
@@ -146,9 +144,47 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the server when the thread that started it exits (Linux)."""
-    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+EXEC_WITH_PDEATHSIG = f"""\
+import ctypes, os, sys
+launcher, armed, *cmd = sys.argv[1:]
+ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, {int(signal.SIGTERM)})
+os.close(int(armed))
+if os.getppid() != int(launcher):
+    sys.exit("splitserve: the launcher exited before tritonserver started")
+os.execv(cmd[0], cmd)
+"""
+"""Run as ``python -c`` with the launcher's pid, a pipe's write end and the command: asks for
+SIGTERM when the parent thread exits (PR_SET_PDEATHSIG, kept across exec), says so by closing
+the pipe, then becomes the command (same pid)."""
+
+
+def spawn(cmd: Sequence[str], env: Mapping[str, str], output: IO[bytes]) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (its binary an absolute path) in a session of its own, its output in
+    ``output``; it gets SIGTERM when the calling thread exits (Linux).
+
+    No ``preexec_fn``: with one, subprocess must fork(), which runs the pthread_atfork handlers
+    of any gRPC client alive in this process (the OpenAI frontend's, a test's); with gRPC
+    threads busy, the child then aborted before exec about once in 100 starts
+    (``epoll_wait error: Bad file descriptor``, SIGABRT). Without one, Python 3.11 uses vfork(),
+    which runs no fork handlers, and the exec wrapper sets the parent-death signal instead.
+    """
+    armed_r, armed_w = os.pipe()
+    wrapper = [sys.executable, "-I", "-S", "-c", EXEC_WITH_PDEATHSIG, str(os.getpid())]
+    try:
+        proc = subprocess.Popen(
+            [*wrapper, str(armed_w), *cmd],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(armed_w,),
+        )
+    finally:
+        os.close(armed_w)
+    with open(armed_r, "rb") as armed:
+        armed.read()  # EOF: the signal is set (or the wrapper is gone); this thread may exit
+    return proc
 
 
 def stub_shm_regions(pids: list[int]) -> list[Path]:
@@ -334,21 +370,14 @@ class TritonServer:
         self._drain_file = self._workdir / "drain"
         self._drain_file.unlink(missing_ok=True)
         started = time.monotonic()
-        self._proc = subprocess.Popen(
-            cmd,
-            env={
-                **server_env(self.install),
-                **key_environ(generate_key()),
-                DRAIN_ENV: str(self._drain_file),
-                ALLOWED_CORES_ENV: format_cores(self.allowed_cores),
-                **self.env,
-            },
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        env = {
+            **server_env(self.install),
+            **key_environ(generate_key()),
+            DRAIN_ENV: str(self._drain_file),
+            ALLOWED_CORES_ENV: format_cores(self.allowed_cores),
+            **self.env,
+        }
+        self._proc = spawn(cmd, env, self._log)
         try:
             self._wait_ready(started + timeout_s)
         except BaseException:

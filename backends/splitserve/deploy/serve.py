@@ -6,8 +6,10 @@ import logging
 import signal
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 from splitserve.deploy.launcher import TritonServer
 from splitserve.deploy.render import (
@@ -172,11 +174,29 @@ def start_server(opts: ServeOptions) -> TritonServer:
     return server.start()
 
 
-def serve_forever(opts: ServeOptions) -> None:
-    """Run until SIGINT/SIGTERM, then stop the server (and its stubs) cleanly."""
+class Companion(Protocol):
+    """A service that ``serve_forever`` runs beside tritonserver (the OpenAI frontend)."""
+
+    def shutting_down(self) -> None:
+        """The server is about to stop: report not ready from now on."""
+
+    def stop(self) -> None: ...
+
+
+CompanionFactory = Callable[[TritonServer], Companion]
+"""Starts a companion for a server that is up."""
+
+
+def serve_forever(opts: ServeOptions, companion: CompanionFactory | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then stop the server (and its stubs) cleanly.
+
+    ``companion`` starts only once tritonserver is ready, so that nothing of it (a gRPC client
+    and its threads) exists in this process while the server is spawned; at shutdown it is told
+    first, and stopped last, so that its streams end with the drain's error.
+    """
     if opts.repo_dir is None:
         with tempfile.TemporaryDirectory(prefix="splitserve-repo-") as tmp:
-            serve_forever(replace(opts, repo_dir=Path(tmp)))
+            serve_forever(replace(opts, repo_dir=Path(tmp)), companion)
         return
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -190,10 +210,16 @@ def serve_forever(opts: ServeOptions) -> None:
     print(f"  gRPC     {server.grpc_url}", flush=True)
     print(f"  metrics  {server.metrics_url}", flush=True)
     print(f"  log      {server.log_path}", flush=True)
+    running: Companion | None = None
     try:
+        running = companion(server) if companion is not None else None
         while not stop.wait(1.0):
             if not server.is_alive():
                 raise RuntimeError(f"tritonserver exited:\n{server.log_tail()}")
     finally:
         print("splitserve: shutting down", flush=True)
+        if running is not None:
+            running.shutting_down()
         server.stop()
+        if running is not None:
+            running.stop()

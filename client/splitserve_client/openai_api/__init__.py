@@ -10,6 +10,7 @@ responses      response bodies and chunks
 sse            SSE encoding; the client-disconnect watch that cancels the Triton request
 errors         OpenAI error objects and status codes
 routes, app    the endpoints and the FastAPI application
+health         ``/health``: Triton's readiness, checked in the background
 options, server  flags, and running it with uvicorn (foreground or beside ``splitserve serve``)
 
 Nothing is imported here, so the flags can be read without FastAPI installed.

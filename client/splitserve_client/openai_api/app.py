@@ -1,9 +1,11 @@
-"""The FastAPI application: routes, OpenAI-style error answers, one Triton client."""
+"""The FastAPI application: routes, OpenAI-style error answers, the Triton clients, the
+readiness checks behind ``/health``."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -13,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from splitserve_client.openai_api.errors import APIError, validation_message
+from splitserve_client.openai_api.health import Readiness
 from splitserve_client.openai_api.options import OpenAIOptions
 from splitserve_client.openai_api.routes import router
 from splitserve_client.openai_api.served import ServedModel
@@ -46,20 +49,35 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 def create_app(options: OpenAIOptions) -> FastAPI:
     """An app serving ``options.model_name`` from the Triton model at ``options.triton_url``."""
 
+    readiness = Readiness()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The gRPC client belongs to the server's event loop, so it is made here.
+        # The gRPC clients belong to the server's event loop, so they are made here. The
+        # readiness checks have a connection of their own: they never queue behind the streams.
         bridge = TritonBridge(options.triton_url)
+        checks = TritonBridge(options.triton_url, own_connection=True)
         app.state.bridge = bridge
         app.state.served = ServedModel(options, bridge)
         app.state.created = int(time.time())
         app.state.ignored_fields = set()
+
+        def probe() -> Awaitable[bool]:
+            return checks.is_ready(options.triton_model)
+
+        await readiness.check(probe)  # /health is right from the first request
+        watch = asyncio.create_task(readiness.watch(probe), name="triton-readiness")
         try:
             yield
         finally:
+            readiness.shutting_down()
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            await checks.close()
             await bridge.close()
 
     app = FastAPI(title="Splitserve OpenAI-compatible API", lifespan=lifespan)
+    app.state.readiness = readiness
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)

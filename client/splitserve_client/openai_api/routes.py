@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from splitserve_client.openai_api.errors import model_not_found
 from splitserve_client.openai_api.generation import Job, answer
+from splitserve_client.openai_api.health import Readiness
 from splitserve_client.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,8 +73,11 @@ async def get_model(model: str, request: Request) -> dict[str, Any]:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    ready = await _bridge(request).is_ready(_served(request).triton_model)
-    return Response(status_code=HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE)
+    """Answered at once from the checks in the background (``health``), however busy."""
+    readiness: Readiness = request.app.state.readiness
+    return Response(
+        status_code=HTTPStatus.OK if readiness.ready else HTTPStatus.SERVICE_UNAVAILABLE
+    )
 
 
 def _include_usage(body: SamplingFields) -> bool:

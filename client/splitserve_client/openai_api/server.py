@@ -8,16 +8,18 @@ import threading
 import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from splitserve_client.openai_api.app import create_app
+from splitserve_client.openai_api.health import Readiness
 from splitserve_client.openai_api.options import OpenAIOptions, add_arguments, options_from_args
 
 START_TIMEOUT_S = 30.0
 
 
-def _server(options: OpenAIOptions) -> uvicorn.Server:
+def _server(app: FastAPI, options: OpenAIOptions) -> uvicorn.Server:
     config = uvicorn.Config(
-        create_app(options),
+        app,
         host=options.host,
         port=options.port,
         log_level=options.log_level,
@@ -33,7 +35,7 @@ def run(options: OpenAIOptions) -> None:
         f"{options.triton_url}; http://{options.host}:{options.port}/v1",
         flush=True,
     )
-    _server(options).run()
+    _server(create_app(options), options).run()
 
 
 class BackgroundFrontend:
@@ -41,7 +43,9 @@ class BackgroundFrontend:
 
     def __init__(self, options: OpenAIOptions) -> None:
         self.options = options
-        self._server = _server(options)
+        app = create_app(options)
+        self._readiness: Readiness = app.state.readiness
+        self._server = _server(app, options)
         self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
 
     def start(self) -> BackgroundFrontend:
@@ -53,7 +57,12 @@ class BackgroundFrontend:
             raise RuntimeError(f"the OpenAI frontend did not start on port {self.options.port}")
         return self
 
+    def shutting_down(self) -> None:
+        """``/health`` answers 503 from now on: the server behind it is about to stop."""
+        self._readiness.shutting_down()
+
     def stop(self) -> None:
+        self.shutting_down()
         self._server.should_exit = True
         self._thread.join(START_TIMEOUT_S)
 

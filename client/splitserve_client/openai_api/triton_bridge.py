@@ -77,10 +77,16 @@ async def _single(payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     yield payload
 
 
+LOCAL_SUBCHANNEL_POOL = ("grpc.use_local_subchannel_pool", 1)
+"""Channel option: a connection of this channel's own, where gRPC would share one between
+channels to the same address."""
+
+
 class TritonBridge:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, own_connection: bool = False) -> None:
         self.url = url
-        self._client = grpcaio.InferenceServerClient(url)
+        channel_args = [LOCAL_SUBCHANNEL_POOL] if own_connection else None
+        self._client = grpcaio.InferenceServerClient(url, channel_args=channel_args)
 
     async def generate(
         self, model: str, prompt: str, sampling: dict[str, Any], stream: bool
