@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import re
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -103,16 +106,110 @@ def _first(result: grpcclient.InferResult, name: str) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+INVALID_STREAM = "no longer in valid state"
+"""In what ``async_stream_infer`` raises once the stream's gRPC call has ended (tritonclient's
+``_InferStream._enqueue_request``); the request was not queued."""
+
+
+def ended_call(error: InferenceServerException | None) -> bool:
+    """Whether ``error`` ended the stream's gRPC call itself (a dead server, a reset connection, a
+    cancel: it carries a gRPC status) rather than answering one request on a live call."""
+    return error is not None and error.status() is not None
+
+
+@dataclass
+class _Call:
+    """One ``start_stream`` of the client: its requests not yet ended, and the error that ended
+    the call, once one has."""
+
+    pending: int = 0
+    ended: InferenceServerException | None = None
+
+
 class GrpcStream:
-    """One gRPC bidirectional stream whose callback events land in a queue."""
+    """A gRPC bidirectional stream whose callback events land in a queue.
+
+    The stream outlives its gRPC call: once the call has ended (tritonserver died, a connection
+    was reset; whether the callback, ``start_stream`` or ``async_stream_infer`` reports it), it is
+    discarded and a fresh call carries the next request. No request is sent twice unseen:
+
+    - a request that ``async_stream_infer`` did not queue (the call had ended) never left the
+      client: it is sent again, once, on a fresh call; if that call has ended too (no server
+      there), the request's one event is that call's error;
+    - a queued request may have reached the server: it is never sent again; if the call ends
+      before its FINAL response or its error, the call's error is its last event (``ended_call``
+      tells it apart), and the caller decides whether to send it again;
+    - an error that ends a call with no request in flight answers none: it is dropped.
+
+    Send requests through :meth:`send`, which counts them: one queued on ``client`` directly is
+    neither sent again nor given the error that ends its call.
+    """
 
     def __init__(self, url: str) -> None:
         self.client = grpcclient.InferenceServerClient(url)
         self.events: queue.Queue[Event] = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
+        # Held around queueing a request and in the callback, so that the error ending a call is
+        # given to a request that was queued on it and never to one that was not.
+        self._lock = threading.Lock()
+        self._call = self._start()
 
-    def send(self, model: str, inputs: list[grpcclient.InferInput]) -> None:
-        self.client.async_stream_infer(model, inputs)
+    def _start(self) -> _Call:
+        """Open a fresh call; a second time if ``start_stream`` fails (nothing was sent)."""
+        call = _Call()
+        try:
+            self.client.start_stream(callback=partial(self._on_event, call))
+        except InferenceServerException:
+            self._stop(cancel=True)  # tritonclient keeps the stream it failed to start
+            self.client.start_stream(callback=partial(self._on_event, call))
+        return call
+
+    def _stop(self, cancel: bool) -> None:
+        """Stop the client's stream; once it returns, every event of the call has been seen."""
+        # A call being discarded may fail to stop; it is gone either way.
+        with contextlib.suppress(InferenceServerException):
+            self.client.stop_stream(cancel_requests=cancel)
+
+    def _on_event(
+        self,
+        call: _Call,
+        result: grpcclient.InferResult | None,
+        error: InferenceServerException | None,
+    ) -> None:
+        with self._lock:
+            if ended_call(error):
+                call.ended = error
+                for _ in range(call.pending):  # the last event of each request in flight
+                    self.events.put((None, error))
+                call.pending = 0
+                return
+            if error is not None or (result is not None and is_final(result)):
+                call.pending = max(call.pending - 1, 0)
+            self.events.put((result, error))
+
+    def send(self, model: str, inputs: list[grpcclient.InferInput], **options: Any) -> None:
+        """Queue a request (``options``: ``async_stream_infer``'s keywords), on a fresh call if
+        this one has ended (see the class docstring)."""
+        not_queued: InferenceServerException | None = None
+        for attempt in range(2):
+            call = self._call
+            with self._lock:
+                if call.ended is None:
+                    try:
+                        self.client.async_stream_infer(model, inputs, **options)
+                    except InferenceServerException as exc:
+                        if INVALID_STREAM not in exc.message():
+                            raise
+                        not_queued = exc
+                    else:
+                        call.pending += 1
+                        return
+            # The call has ended and the request is not on it: discard the call (this joins its
+            # reader, so ``call.ended`` is set) and try a fresh one, once.
+            self._stop(cancel=True)
+            if attempt == 0:
+                self._call = self._start()
+        # Neither call took it: the request fails with the error that ended the last one.
+        self.events.put((None, call.ended or not_queued))
 
     def next(self, timeout_s: float = 30.0) -> Event:
         return self.events.get(timeout=timeout_s)
@@ -138,17 +235,23 @@ class GrpcStream:
         self.send(model, inputs)
         return self.collect()
 
-    def error_of(self, model: str, inputs: list[grpcclient.InferInput]) -> str:
-        """Send a request that must fail; its error message (tritonclient drops the code)."""
+    def failure(self, model: str, inputs: list[grpcclient.InferInput]) -> InferenceServerException:
+        """Send a request that must fail; its error (``ended_call`` if no server answered it)."""
         self.send(model, inputs)
         result, error = self.next()
         assert result is None, f"expected an error, got {result.get_response()}"
         assert error is not None
-        return error.message()
+        return error
+
+    def error_of(self, model: str, inputs: list[grpcclient.InferInput]) -> str:
+        """Send a request that must fail; its error message (tritonclient drops the code)."""
+        return self.failure(model, inputs).message()
 
     def close(self, cancel: bool = False) -> None:
-        self.client.stop_stream(cancel_requests=cancel)
-        self.client.close()
+        try:
+            self._stop(cancel)
+        finally:
+            self.client.close()
 
     def __enter__(self) -> GrpcStream:
         return self
