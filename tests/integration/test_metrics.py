@@ -3,6 +3,7 @@ with a workload, and KV blocks, leases and queues back at zero once it is done."
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import pytest
@@ -43,6 +44,13 @@ def totals(server: TritonServer, kind: str | None = None) -> Totals:
     return out
 
 
+def steady(server: TritonServer, interval_s: float = 0.3) -> bool:
+    """Whether no count moved over ``interval_s`` (several publishing intervals)."""
+    first = totals(server)
+    time.sleep(interval_s)
+    return totals(server) == first
+
+
 def test_families_per_model_and_instance(splitserve_server: TritonServer) -> None:
     seen: dict[str, set[tuple[str, str]]] = defaultdict(set)
     kinds: dict[str, set[str]] = defaultdict(set)
@@ -59,6 +67,8 @@ def test_families_per_model_and_instance(splitserve_server: TritonServer) -> Non
 def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     splitserve_server: TritonServer,
 ) -> None:
+    # Earlier tests' counts reach the port within a publishing interval (0.1 s): let them land.
+    assert wait_for(lambda: steady(splitserve_server), 5.0)
     before, invalid_before = totals(splitserve_server), totals(splitserve_server, "invalid")
     with GrpcStream(splitserve_server.grpc_url) as stream:
         for model in MODELS:
@@ -92,8 +102,13 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     assert grew("splitserve_kv_handoffs_total", "llm") >= N
     assert grew("splitserve_kv_handoff_bytes_total", "llm") > 0
     assert grew("splitserve_kv_handoff_seconds_total", "llm") > 0
-    # The session server lends the prefill core to decode: steps between passes borrow it.
-    assert grew("splitserve_engine_borrowed_steps_total", "llm") >= 1
+    # The session server lends the prefill core to decode: steps between passes find it free
+    # and borrow it, or run on decode's own core where the guard found borrowing not to pay.
+    lent = (
+        "splitserve_engine_borrowed_steps_total",
+        "splitserve_engine_borrow_withheld_steps_total",
+    )
+    assert sum(grew(name, "llm") for name in lent) >= 1
     for model in (*MODELS, "prefill"):
         assert grew("splitserve_engine_steps_total", model) >= 1, model
         assert grew("splitserve_engine_busy_seconds_total", model) > 0, model
