@@ -5,8 +5,9 @@ later one) is a bet that steps get faster. The guard checks the bet as the serve
 size (the batch), it keeps the recent step times with the mechanism and without it, and holds
 the mechanism off at a size where its median is not below the median without it. Both arms stay
 measured: until each has ``min_samples`` at a size the guard alternates them, and afterwards
-one step in ``probe_every`` takes the arm it would not, so a decision follows a change in
-either direction. The first time it holds the mechanism off at a size it logs why, once.
+one step in ``probe_every`` takes the arm it would not (fewer while the probes keep confirming
+the decision), so a decision follows a change in either direction. The first time it holds the
+mechanism off at a size it logs why, once.
 """
 
 from __future__ import annotations
@@ -36,20 +37,24 @@ class GuardSettings:
     min_samples: int = 4
     """Samples each arm needs at a bucket before the guard decides there."""
     probe_every: int = 32
-    """Once decided, one step in this many (per bucket) takes the other arm."""
+    """Once decided, one step in this many (per bucket) takes the other arm ..."""
+    max_probe_every: int = 4096
+    """... and, each time a probe leaves the decision as it was, twice as few, down to one in
+    this many: a mechanism that does not pay by far costs its probes almost nothing."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_samples <= self.window:
             raise ValueError("min_samples must be in [1, window]")
-        if self.probe_every < 2:
-            raise ValueError("probe_every must be at least 2")
+        if not 2 <= self.probe_every <= self.max_probe_every:
+            raise ValueError("probe_every must be in [2, max_probe_every]")
 
 
 @dataclass
 class _Arms:
     on: deque[float]
     off: deque[float]
-    calls: int = 0
+    probe_every: int
+    until_probe: int
     logged: bool = False
 
     def pays(self, min_samples: int) -> bool | None:
@@ -76,12 +81,15 @@ class PayoffGuard:
     def use(self, size: int) -> bool:
         """Whether the next step, of ``size`` requests, should use the mechanism."""
         arms = self._at(size)
-        arms.calls += 1
         decided = arms.pays(self.settings.min_samples)
         if decided is None:
             choice = len(arms.on) <= len(arms.off)
         else:
-            choice = decided != (arms.calls % self.settings.probe_every == 0)
+            arms.until_probe -= 1
+            probe = arms.until_probe <= 0
+            if probe:
+                arms.until_probe = arms.probe_every
+            choice = decided != probe
         if not choice:
             self.withheld_steps += 1
         return choice
@@ -89,29 +97,40 @@ class PayoffGuard:
     def record(self, size: int, used: bool, seconds: float) -> None:
         """The step the guard decided on took ``seconds``."""
         arms = self._at(size)
+        before = arms.pays(self.settings.min_samples)
+        if before is not None and used != before:  # a probe: did it bear the decision out?
+            chosen = statistics.median(arms.off if used else arms.on)
+            confirmed = seconds >= chosen if used else seconds > chosen
+            limit = self.settings.max_probe_every
+            arms.probe_every = min(2 * arms.probe_every, limit) if confirmed else self._base
+            arms.until_probe = arms.probe_every
         (arms.on if used else arms.off).append(seconds)
         pays = arms.pays(self.settings.min_samples)
         key = size_bucket(size)
         if (pays is False) != (key in self.off_buckets):
-            off = set(self.off_buckets) ^ {key}
-            self.off_buckets = tuple(sorted(off))
+            self.off_buckets = tuple(sorted(set(self.off_buckets) ^ {key}))
         if pays is False and not arms.logged:
             arms.logged = True
             log.info(
                 "%s does not pay at %d requests per step (median %.2f ms with it, %.2f ms "
                 "without, over the last %d and %d steps): holding it off there while that lasts",
                 self.name,
-                size_bucket(size),
+                key,
                 statistics.median(arms.on) * 1e3,
                 statistics.median(arms.off) * 1e3,
                 len(arms.on),
                 len(arms.off),
             )
 
+    @property
+    def _base(self) -> int:
+        return self.settings.probe_every
+
     def _at(self, size: int) -> _Arms:
         key = size_bucket(size)
         arms = self._arms.get(key)
         if arms is None:
-            window = self.settings.window
-            arms = self._arms[key] = _Arms(deque(maxlen=window), deque(maxlen=window))
+            window, every = self.settings.window, self._base
+            arms = _Arms(deque(maxlen=window), deque(maxlen=window), every, every)
+            self._arms[key] = arms
         return arms
