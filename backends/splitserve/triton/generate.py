@@ -151,9 +151,9 @@ class GenerateModelBase:
         return prep, sink, uuid.uuid4().hex
 
     def finalize(self) -> None:
+        self.refresher.stop()
         self.loop.stop()
         self.sender.stop()
-        self.refresher.stop()
         self.metrics.close()
         log.info("%s finalized", self.role)
 

@@ -107,6 +107,8 @@ class MetricsRefresher:
         while not self._stop.wait(interval_s):
             metrics.update(force=True)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Call first in ``finalize``: a publish still running once the model unloads waits on
+        an IPC that the server no longer answers (it hung the unload of ``llm``)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
