@@ -162,17 +162,18 @@ def test_borrower_times_for_the_guard_only_steps_that_found_the_cores_free(locks
 
 
 def test_borrower_stops_borrowing_where_it_does_not_pay(locks):
-    _, decode = locks
-    guard = PayoffGuard("test", GuardSettings(window=4, min_samples=2, probe_every=10))
+    prefill, decode = locks
+    # Medians of three: one own-core step stalled by a loaded machine changes nothing.
+    guard = PayoffGuard("test", GuardSettings(window=5, min_samples=3, probe_every=10))
     borrower = Borrower(decode, {1}, {0}, Recorder(), guard)
-    for _ in range(20):
+    for _ in range(30):
         with borrower.step(1):
-            if decode.try_borrow():  # a borrowed step holds the cores: not this one
-                decode.give_back()
+            if prefill.try_borrow():  # a borrowed step holds the cores: not this one
+                prefill.give_back()
             else:
-                time.sleep(0.01)  # borrowed steps are slow
+                time.sleep(0.05)  # borrowed steps are slow
     assert guard.off_buckets == (1,)
-    assert borrower.borrowed_steps <= 2 + 2  # two to compare, then one probe in ten
+    assert borrower.borrowed_steps <= 3 + 2  # three to compare, then probes in 10, 20 steps
 
 
 def test_borrowed_workers_run_on_the_lent_cores_whichever_step_first_needs_them(tmp_path):
