@@ -42,9 +42,7 @@ class ToyStream(GrpcStream):
             max_tokens_input = grpcclient.InferInput("max_tokens", [1], "INT32")
             max_tokens_input.set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
             inputs.append(max_tokens_input)
-        self.client.async_stream_infer(
-            MODEL, inputs, request_id=request_id, enable_empty_final_response=True
-        )
+        self.send(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
 
     def next_result(self, timeout_s: float = 10.0) -> grpcclient.InferResult:
         result, error = self.next(timeout_s)
