@@ -1,7 +1,10 @@
-"""Helpers shared by the benchmark scripts: checkpoints, prompts of exact token length."""
+"""Helpers shared by the benchmark scripts: checkpoints, prompts of exact token length, serve
+options on loopback, engine counters off the metrics port."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +13,12 @@ from splitserve.model.random_checkpoint import PRESETS, write_random_checkpoint
 from splitserve.tokenizer import Tokenizer, load_tokenizer
 from splitserve_client.bench.prompts import exact_prompts
 
-__all__ = ["checkpoint", "exact_prompts", "loopback", "tokenizer_for"]
+__all__ = ["checkpoint", "counters", "exact_prompts", "loopback", "tokenizer_for"]
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
+ENGINE_COUNTER = re.compile(
+    r'^splitserve_(engine_\w+_total)\{[^}]*model="(\w+)"[^}]*\} (\S+)$', re.M
+)
 
 
 def checkpoint(name: str) -> str:
@@ -44,3 +50,13 @@ def loopback(
         host="127.0.0.1",
         **more,
     )
+
+
+def counters(metrics_url: str) -> dict[tuple[str, str], float]:
+    """The engine counters on a metrics port, by (model, counter name), summed over instances."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for name, model, value in ENGINE_COUNTER.findall(text):
+        out[(model, name)] = out.get((model, name), 0.0) + float(value)
+    return out

@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
-from bench_common import checkpoint, loopback
+from bench_common import checkpoint, counters, loopback
 from tqdm import tqdm
 
 from splitserve import SamplingParams
@@ -42,13 +40,6 @@ from splitserve_client.bench.workloads import workload_lengths
 
 CLI = (sys.executable, "-m", "splitserve_client.cli")
 OUT = Path(__file__).resolve().parents[1] / "out" / "interference"
-SAMPLE = re.compile(r'^splitserve_(engine_\w+_total)\{[^}]*model="(\w+)"[^}]*\} (\S+)$', re.M)
-
-
-def counters(metrics_url: str) -> dict[tuple[str, str], float]:
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        text = response.read().decode()
-    return {(model, name): float(v) for name, model, v in SAMPLE.findall(text)}
 
 
 def served(args: argparse.Namespace, model: str, out: Path) -> dict[tuple[str, str], float]:

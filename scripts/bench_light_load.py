@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_common import loopback
+from bench_common import counters, loopback
 
 from splitserve.deploy.serve import start_server
 from splitserve.model.random_checkpoint import write_tokenizer
@@ -42,7 +40,6 @@ CLI = (sys.executable, "-m", "splitserve_client.cli")
 OUT = Path(__file__).resolve().parents[1] / "out" / "light_load"
 IN_FLIGHT = (1, 2, 3)
 OUTPUT_TOKENS = 128
-COUNTER = re.compile(r'^splitserve_(engine_\w+_total)\{[^}]*model="llm"[^}]*\} (\S+)$', re.M)
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2": dict(
@@ -105,11 +102,6 @@ def hf_checkpoint(shape: str, out: Path) -> Path:
     return out
 
 
-def counters(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        return {name: float(v) for name, v in COUNTER.findall(response.read().decode())}
-
-
 async def turns(url: str, model: str, prompts: int) -> dict[str, float]:
     tokenizer = load_bench_tokenizer(model)
     texts = exact_prompts(tokenizer, prompts + 3, 64)
@@ -147,7 +139,7 @@ def measure(model: Path, flags: list[str], args: argparse.Namespace, out: Path) 
         server.stop()
     report = json.loads(out.read_text())
     tpot = {s["target"]: s["tpot_p50"] for s in report["summary"]}
-    got = {name: after[name] - before.get(name, 0.0) for name in after}
+    got = {name: v - before.get((m, name), 0.0) for (m, name), v in after.items() if m == "llm"}
     return {"bench_tpot_p50": tpot, "turns_tpot_p50": turn, "llm_engine": got}
 
 

@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from checkpoints import LLAMA3_ROPE
+from checkpoints import LLAMA32_SETTINGS
 from llm_client import samples
 
 from splitserve.deploy.launcher import TritonServer, free_ports
@@ -50,18 +50,13 @@ CHECKPOINTS: dict[str, tuple[dict[str, object], str]] = {
         "float32",
     ),
     "llama32-fp32-gqa4-tied-4l": (
-        dict(
-            arch="llama",
-            hidden_size=256,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=2,
-            intermediate_size=768,
-            tie_word_embeddings=True,
-            rope_scaling=LLAMA3_ROPE,
-            rope_theta=500000.0,
-            tokenizer="llama3",
-        ),
+        {
+            **LLAMA32_SETTINGS,
+            "hidden_size": 256,
+            "num_layers": 4,
+            "num_heads": 8,
+            "intermediate_size": 768,
+        },
         "float32",
     ),
     "llama-bf16-gqa2-untied-30l": (

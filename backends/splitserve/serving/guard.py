@@ -55,13 +55,15 @@ class _Arms:
     off: deque[float]
     probe_every: int
     until_probe: int
+    pays: bool | None = None
+    """Whether the mechanism made steps faster here; None until both arms have samples. Kept
+    by ``record`` (the only place the samples change), read on every step."""
     logged: bool = False
 
-    def pays(self, min_samples: int) -> bool | None:
-        """Whether the mechanism made steps faster here; None until both arms have samples."""
-        if len(self.on) < min_samples or len(self.off) < min_samples:
-            return None
-        return statistics.median(self.on) < statistics.median(self.off)
+    def add(self, used: bool, seconds: float, min_samples: int) -> None:
+        (self.on if used else self.off).append(seconds)
+        if len(self.on) >= min_samples and len(self.off) >= min_samples:
+            self.pays = statistics.median(self.on) < statistics.median(self.off)
 
 
 @dataclass
@@ -81,7 +83,7 @@ class PayoffGuard:
     def use(self, size: int) -> bool:
         """Whether the next step, of ``size`` requests, should use the mechanism."""
         arms = self._at(size)
-        decided = arms.pays(self.settings.min_samples)
+        decided = arms.pays
         if decided is None:
             choice = len(arms.on) <= len(arms.off)
         else:
@@ -97,15 +99,15 @@ class PayoffGuard:
     def record(self, size: int, used: bool, seconds: float) -> None:
         """The step the guard decided on took ``seconds``."""
         arms = self._at(size)
-        before = arms.pays(self.settings.min_samples)
+        before = arms.pays
         if before is not None and used != before:  # a probe: did it bear the decision out?
             chosen = statistics.median(arms.off if used else arms.on)
             confirmed = seconds >= chosen if used else seconds > chosen
             limit = self.settings.max_probe_every
             arms.probe_every = min(2 * arms.probe_every, limit) if confirmed else self._base
             arms.until_probe = arms.probe_every
-        (arms.on if used else arms.off).append(seconds)
-        pays = arms.pays(self.settings.min_samples)
+        arms.add(used, seconds, self.settings.min_samples)
+        pays = arms.pays
         key = size_bucket(size)
         if (pays is False) != (key in self.off_buckets):
             self.off_buckets = tuple(sorted(set(self.off_buckets) ^ {key}))

@@ -1,13 +1,13 @@
 """Custom metrics on Triton's metrics port, labelled by model and instance.
 
-Values are recorded in a ``serving.stats.InstanceStats`` and published from one thread at most
-every ``min_interval_s``: each ``set``, ``increment`` or ``observe`` is an IPC to the server.
+Values are recorded in a ``serving.stats.InstanceStats`` and published by a ``MetricsRefresher``
+thread every ``metrics_interval_s``: each ``set``, ``increment`` or ``observe`` is an IPC to the
+server, which on an engine thread would stall its steps.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +31,6 @@ class InstanceMetrics:
         args: dict[str, Any],
         stats: InstanceStats,
         gauges: Callable[[], dict[str, float]],
-        min_interval_s: float = 0.0,
     ) -> None:
         """``gauges`` returns the instance's current gauge values (names of ``GAUGES``)."""
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
@@ -54,8 +53,6 @@ class InstanceMetrics:
         }
         self.stats = stats
         self._read_gauges = gauges
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
         self._values: dict[str, float] = {}
 
     def _family(self, name: str, text: str, kind: Any) -> Any:
@@ -63,11 +60,7 @@ class InstanceMetrics:
         self._families.append(family)
         return family
 
-    def update(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.min_interval_s:
-            return
-        self._last = now
+    def update(self) -> None:
         self._publish(self.stats.snapshot(self._read_gauges()))
 
     def _publish(self, snap: Snapshot) -> None:
@@ -93,8 +86,8 @@ class InstanceMetrics:
 
 
 class MetricsRefresher:
-    """Refreshes an instance's metrics on a thread of its own, for a model without an engine
-    loop (``prefill``): its leases end off the request path, by release message or by expiry."""
+    """Refreshes an instance's metrics on a thread of its own: off the engine thread, and on
+    time for ``prefill``, whose leases end off the request path (release message or expiry)."""
 
     def __init__(self, metrics: InstanceMetrics, interval_s: float) -> None:
         self._stop = threading.Event()
@@ -105,7 +98,7 @@ class MetricsRefresher:
 
     def _run(self, metrics: InstanceMetrics, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            metrics.update(force=True)
+            metrics.update()
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """Call first in ``finalize``: a publish still running once the model unloads waits on
