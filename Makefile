@@ -17,12 +17,12 @@ serve: $(STAMP)
 	$(VENV)/bin/splitserve serve --model tiny --layout both
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check backends client kernels scripts tests
+	$(VENV)/bin/ruff check backends client kernels tools scripts tests
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check backends client kernels scripts tests
-	$(VENV)/bin/ruff format --check backends client kernels scripts tests
+	$(VENV)/bin/ruff check backends client kernels tools scripts tests
+	$(VENV)/bin/ruff format --check backends client kernels tools scripts tests
 
 clean:
 	rm -rf $(VENV)

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.planner.measure import measure_rates
 from splitserve_kernels import cpu
 from splitserve_kernels.reference.attention import paged_decode_attention as reference
+from splitserve_tools.planner.measure import measure_rates
 
 
 def per_call(fn: Callable[[int], object], calls: int) -> float:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.deploy.serve import ServeOptions
-from splitserve.model.random_checkpoint import PRESETS, write_random_checkpoint
+from splitserve.testing.checkpoints import PRESETS, write_random_checkpoint
 from splitserve.tokenizer import Tokenizer, load_tokenizer
-from splitserve_client.bench.prompts import exact_prompts
+from splitserve_tools.bench.prompts import exact_prompts
 
 __all__ = ["checkpoint", "counters", "exact_prompts", "loopback", "tokenizer_for"]
 

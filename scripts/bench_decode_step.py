@@ -20,9 +20,9 @@ import time
 import torch
 
 from splitserve import SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
+from splitserve.engine_config import EngineConfig
 
 SHOWN = 8
 """Builtins listed by time per step."""

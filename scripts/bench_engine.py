@@ -18,14 +18,14 @@ import torch
 from tqdm import tqdm
 
 from splitserve import SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.engine.build import Components, build_components, scheduler_limits
 from splitserve.engine.engine import Engine
+from splitserve.engine_config import EngineConfig
 from splitserve.model.export import to_hf_state_dict
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.tiny import TINY_HF_CONFIG
-from splitserve.planner.gpu_model import matmul_params
-from splitserve.planner.measure import measure_rates
+from splitserve_tools.planner.gpu_model import matmul_params
+from splitserve_tools.planner.measure import measure_rates
 
 
 @dataclass

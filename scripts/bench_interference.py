@@ -30,15 +30,15 @@ from bench_common import checkpoint, counters, loopback
 from tqdm import tqdm
 
 from splitserve import SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.deploy.serve import start_server
 from splitserve.engine.build import build_components
-from splitserve.engine.prefill import PrefillEngine
+from splitserve.engine.prompt_pass import PrefillEngine
 from splitserve.engine.request import Request
+from splitserve.engine_config import EngineConfig
 from splitserve.serving.affinity import parse_cores
-from splitserve_client.bench.workloads import workload_lengths
+from splitserve_tools.bench.workloads import workload_lengths
 
-CLI = (sys.executable, "-m", "splitserve_client.cli")
+CLI = (sys.executable, "-m", "splitserve_tools.cli")
 OUT = Path(__file__).resolve().parents[1] / "out" / "interference"
 
 

@@ -31,12 +31,12 @@ from typing import Any
 from bench_common import counters, loopback
 
 from splitserve.deploy.serve import start_server
-from splitserve.model.random_checkpoint import write_tokenizer
-from splitserve_client.bench.prompts import exact_prompts, load_bench_tokenizer
-from splitserve_client.bench.serial import groups, median_tpot, take_turns
-from splitserve_client.bench.target import TritonTarget
+from splitserve.testing.checkpoints import write_tokenizer
+from splitserve_tools.bench.prompts import exact_prompts, load_bench_tokenizer
+from splitserve_tools.bench.serial import groups, median_tpot, take_turns
+from splitserve_tools.bench.target import TritonTarget
 
-CLI = (sys.executable, "-m", "splitserve_client.cli")
+CLI = (sys.executable, "-m", "splitserve_tools.cli")
 OUT = Path(__file__).resolve().parents[1] / "out" / "light_load"
 IN_FLIGHT = (1, 2, 3)
 OUTPUT_TOKENS = 128

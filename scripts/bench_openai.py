@@ -1,7 +1,7 @@
 """Added TTFT and per-token time of the OpenAI-compatible frontend vs gRPC straight to Triton.
 
 One Triton server (`llm`, disaggregated) and the frontend in a process of its own
-(`python -m splitserve_client.openai_api`), as deployed. The same prompts go both ways,
+(`python -m splitserve.openai`), as deployed. The same prompts go both ways,
 interleaved wave by wave (the order flips every wave), greedy with EOS ignored, so both paths
 produce the same tokens; the script checks that they do. Per-token time is
 (last token - first token) / (output tokens - 1). Medians over requests.
@@ -26,9 +26,9 @@ import tritonclient.grpc.aio as grpcaio
 from bench_common import checkpoint, exact_prompts, loopback, tokenizer_for
 
 from splitserve.deploy.serve import start_server
-from splitserve_client.bench.openai_target import OpenAITarget
 from splitserve_client.generate import GenerateArgs
 from splitserve_client.stream import RequestRecord, stream_generate
+from splitserve_tools.bench.openai_target import OpenAITarget
 
 NAME = "bench"
 PATHS = ("grpc", "openai")
@@ -48,7 +48,7 @@ def start_frontend(grpc_url: str, port: int, model_dir: str | None) -> subproces
     cmd = [
         sys.executable,
         "-m",
-        "splitserve_client.openai_api",
+        "splitserve.openai",
         "--triton-url",
         grpc_url,
         "--host",

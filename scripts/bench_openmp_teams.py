@@ -27,10 +27,10 @@ CASES = ("same", "live", "exited")
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from splitserve.config import EngineConfig
     from splitserve.engine.build import build_components
-    from splitserve.planner.measure import time_decode
+    from splitserve.engine_config import EngineConfig
     from splitserve.serving.threads import on_own_thread
+    from splitserve_tools.planner.measure import time_decode
 
     cores = [int(c) for c in args.cores.split(",")]
     os.sched_setaffinity(0, cores)

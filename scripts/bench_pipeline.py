@@ -22,14 +22,14 @@ from bench_common import checkpoint, exact_prompts, loopback, tokenizer_for
 from tqdm import tqdm
 
 from splitserve import SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.deploy.serve import start_server
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
+from splitserve.engine_config import EngineConfig
 from splitserve.kv.layout import KVLayout
-from splitserve.transport.bench import bench_handoff
 from splitserve_client.generate import GenerateArgs
 from splitserve_client.stream import RequestRecord, stream_generate
+from splitserve_tools.bench.transfer import bench_handoff
 
 
 def median(values: list[float]) -> float:

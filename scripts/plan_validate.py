@@ -27,22 +27,22 @@ from typing import Any
 import numpy as np
 from bench_common import checkpoint
 
-from splitserve.planner.commands import (
+from splitserve_tools.planner.commands import (
     QUICK_POINTS,
     build_profile,
     default_limits,
     profile_lines,
 )
-from splitserve.planner.measure import Points
-from splitserve.planner.plan import Plan
-from splitserve.planner.profile import Profile, ServingOverhead
-from splitserve.planner.search import SLO, default_placement, goodput, search
-from splitserve.planner.simulate import Traffic, run
-from splitserve_client.plan_calibrate import CalibrateOptions, calibrate
-from splitserve_client.served import served
+from splitserve_tools.planner.measure import Points
+from splitserve_tools.planner.plan import Plan
+from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
+from splitserve_tools.planner.profile import Profile, ServingOverhead
+from splitserve_tools.planner.search import SLO, default_placement, goodput, search
+from splitserve_tools.planner.served_plan import served
+from splitserve_tools.planner.simulate import Traffic, run
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = (sys.executable, "-m", "splitserve_client.cli")
+CLI = (sys.executable, "-m", "splitserve_tools.cli")
 TOKEN_OVERHEAD_MS = 0.3
 
 

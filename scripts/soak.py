@@ -31,8 +31,9 @@ import psutil
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput
 
-from splitserve.deploy.launcher import TritonServer, free_ports, stub_instances
+from splitserve.deploy.launcher import TritonServer, free_ports
 from splitserve.deploy.render import default_cpu_layout, render
+from splitserve.testing.procfs import stub_instances
 
 MODELS = ("llm", "llm_colocated")
 WORDS = [

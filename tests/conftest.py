@@ -13,7 +13,7 @@ import pytest
 import torch
 from checkpoints import LLAMA32_SETTINGS
 
-from splitserve.model.random_checkpoint import write_random_checkpoint
+from splitserve.testing.checkpoints import write_random_checkpoint
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU tensors. ``triton.jit`` reads this when a

@@ -8,10 +8,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from splitserve.config import EngineConfig
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine_config import EngineConfig
 
 
 @dataclass

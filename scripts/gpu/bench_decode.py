@@ -16,11 +16,11 @@ import time
 import torch
 
 import splitserve_kernels
-from splitserve.config import EngineConfig
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.random_checkpoint import write_random_checkpoint
+from splitserve.engine_config import EngineConfig
+from splitserve.testing.checkpoints import write_random_checkpoint
 
 SHAPE = {
     "hidden_size": 2048,

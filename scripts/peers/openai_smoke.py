@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_common import exact_prompts, tokenizer_for
 
-from splitserve_client.bench.openai_target import OpenAITarget
+from splitserve_tools.bench.openai_target import OpenAITarget
 
 
 async def run(args: argparse.Namespace) -> int:

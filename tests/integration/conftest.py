@@ -20,8 +20,8 @@ from splitserve.deploy.launcher import (
     find_tritonserver,
     free_ports,
     libpython_dir,
-    live_group_members,
 )
+from splitserve.deploy.process_group import live_group_members
 from splitserve.deploy.render import (
     Layout,
     default_cpu_layout,
@@ -30,7 +30,7 @@ from splitserve.deploy.render import (
     render,
 )
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.model.random_checkpoint import write_random_checkpoint
+from splitserve.testing.checkpoints import write_random_checkpoint
 from splitserve.transport.key import generate_key, key_environ
 
 TOY_REPO = Path(__file__).resolve().parent / "toy_repo"

@@ -22,7 +22,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from splitserve.deploy.launcher import TritonServer, stub_instances
+from splitserve.deploy.launcher import TritonServer
+from splitserve.testing.procfs import stub_instances
 from splitserve.transport import cleanup
 
 Event = tuple[grpcclient.InferResult | None, InferenceServerException | None]

@@ -11,7 +11,7 @@ from llm_client import MAX_MODEL_LEN
 
 from splitserve.deploy.launcher import TritonServer
 from splitserve.tokenizer import load_tokenizer
-from splitserve_client.bench.main import BenchOptions, bench, build_requests
+from splitserve_tools.bench.main import BenchOptions, bench, build_requests
 
 pytestmark = pytest.mark.triton
 

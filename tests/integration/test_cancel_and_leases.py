@@ -22,9 +22,9 @@ from llm_client import (
 )
 from tritonclient.utils import InferenceServerException
 
-from splitserve.config import EngineConfig
 from splitserve.deploy.launcher import TritonServer
-from splitserve.serving import handoff
+from splitserve.engine_config import EngineConfig
+from splitserve.serving import bls_contract
 from splitserve.transport.key import generate_key
 
 pytestmark = pytest.mark.triton
@@ -132,7 +132,7 @@ GARBAGE: dict[str, tuple[list[grpcclient.InferInput], tuple[str, ...]]] = {
 
 def auth(key: bytes, request_id: str = "direct") -> dict[str, str]:
     """The request parameters ``llm`` sends with a call to ``prefill``."""
-    return {handoff.AUTH: handoff.auth_tag(key, request_id)}
+    return {bls_contract.AUTH: bls_contract.auth_tag(key, request_id)}
 
 
 def test_prefill_refuses_garbage_without_leasing_blocks(
@@ -151,7 +151,7 @@ def test_prefill_refuses_garbage_without_leasing_blocks(
 
 @pytest.mark.parametrize(
     "parameters",
-    [None, {handoff.AUTH: "00" * 32}, {handoff.AUTH: 7}, "other-request", "other-key"],
+    [None, {bls_contract.AUTH: "00" * 32}, {bls_contract.AUTH: 7}, "other-request", "other-key"],
     ids=["none", "forged", "not-a-string", "other-request", "other-key"],
 )
 def test_prefill_called_without_llms_key_gives_nothing(

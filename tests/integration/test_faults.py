@@ -32,12 +32,8 @@ from llm_client import (
 )
 from tritonclient.grpc import InferInput
 
-from splitserve.deploy.launcher import (
-    TritonServer,
-    free_port,
-    live_group_members,
-    stub_shm_regions,
-)
+from splitserve.deploy.launcher import TritonServer, free_port
+from splitserve.deploy.process_group import live_group_members, stub_shm_regions
 from splitserve.deploy.render import Layout, RoleSpec
 
 pytestmark = pytest.mark.triton

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llm_client import GrpcStream, infer_inputs, is_final, is_ready, post
 
-from splitserve.deploy.launcher import TritonServer, stub_instances
+from splitserve.deploy.launcher import TritonServer
+from splitserve.testing.procfs import stub_instances
 
 pytestmark = pytest.mark.triton
 

@@ -17,13 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from llm_client import GrpcStream, is_final
 
-from splitserve.deploy.launcher import (
-    TritonInstall,
-    TritonServer,
-    free_ports,
-    live_group_members,
-    stub_shm_regions,
-)
+from splitserve.deploy.launcher import TritonInstall, TritonServer, free_ports
+from splitserve.deploy.process_group import live_group_members, stub_shm_regions
 
 pytestmark = pytest.mark.triton
 

@@ -19,10 +19,10 @@ from llm_client import samples
 
 from splitserve.deploy.launcher import TritonServer, free_ports
 from splitserve.deploy.serve import ServeOptions, start_server
-from splitserve.model.random_checkpoint import write_random_checkpoint
-from splitserve_client.bench.prompts import exact_prompts, load_bench_tokenizer
-from splitserve_client.bench.serial import groups, median_tpot, take_turns
-from splitserve_client.bench.target import TritonTarget
+from splitserve.testing.checkpoints import write_random_checkpoint
+from splitserve_tools.bench.prompts import exact_prompts, load_bench_tokenizer
+from splitserve_tools.bench.serial import groups, median_tpot, take_turns
+from splitserve_tools.bench.target import TritonTarget
 
 pytestmark = pytest.mark.triton
 

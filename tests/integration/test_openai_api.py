@@ -18,10 +18,10 @@ import pytest
 from llm_client import MAX_MODEL_LEN, Generation, GrpcStream, gauges, generate_inputs, wait_for
 
 from splitserve.deploy.launcher import TritonServer, free_ports
+from splitserve.openai.options import OpenAIOptions
+from splitserve.openai.server import BackgroundFrontend
 from splitserve.tokenizer import load_tokenizer
-from splitserve_client.bench.main import BenchOptions, bench
-from splitserve_client.openai_api.options import OpenAIOptions
-from splitserve_client.openai_api.server import BackgroundFrontend
+from splitserve_tools.bench.main import BenchOptions, bench
 
 pytestmark = pytest.mark.triton
 

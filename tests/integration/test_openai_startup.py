@@ -68,7 +68,7 @@ def serve(log: Path, layout: str) -> Iterator[Serve]:
     ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port, "openai": openai_port}
     flags = [f"--{name}-port={port}" for name, port in ports.items()]
     flags += ["--model=tiny", f"--layout={layout}", "--host=127.0.0.1"]
-    cmd = [sys.executable, "-m", "splitserve_client.cli", "serve", *flags]
+    cmd = [sys.executable, "-m", "splitserve_tools.cli", "serve", *flags]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     running = Serve(proc, openai_port, log)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.deploy.launcher import TritonServer, stub_instances
+from splitserve.deploy.launcher import TritonServer
 from splitserve.serving.affinity import ALLOWED_CORES_ENV, parse_cores, thread_affinity, thread_ids
+from splitserve.testing.procfs import stub_instances
 
 pytestmark = pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="needs two cores: prefill on one, decode on another"

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from splitserve.deploy.launcher import free_ports
-from splitserve.planner.calibrate import GRID
-from splitserve.planner.commands import QUICK_POINTS, build_profile
-from splitserve.planner.profile import Profile
-from splitserve_client.plan_calibrate import CalibrateOptions, calibrate
-from splitserve_client.served import Ports
+from splitserve_tools.planner.calibrate import GRID
+from splitserve_tools.planner.commands import QUICK_POINTS, build_profile
+from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
+from splitserve_tools.planner.profile import Profile
+from splitserve_tools.planner.served_plan import Ports
 
 pytestmark = pytest.mark.triton
 

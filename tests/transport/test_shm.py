@@ -14,11 +14,11 @@ from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
 from splitserve.transport import available_transports, cleanup, get_transport
-from splitserve.transport.bench import bench_handoff
 from splitserve.transport.channel import RELEASE, encode_message
-from splitserve.transport.handoff import contiguous_runs
 from splitserve.transport.key import generate_key
+from splitserve.transport.leased import contiguous_runs
 from splitserve.transport.shm import ShmTransport
+from splitserve_tools.bench.transfer import bench_handoff
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 KEY = generate_key()

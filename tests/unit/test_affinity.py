@@ -28,7 +28,7 @@ from splitserve.serving.affinity import (
     thread_affinity,
     thread_ids,
 )
-from splitserve.serving.config import parse_core_sets
+from splitserve.serving.serving_config import parse_core_sets
 
 FIRST = min(os.sched_getaffinity(0))
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from splitserve_client.bench.arrivals import arrival_times
-from splitserve_client.bench.goodput import search_goodput
-from splitserve_client.bench.metrics import SLO
-from splitserve_client.bench.runner import Schedule, run_schedule
-from splitserve_client.bench.workloads import Request
 from splitserve_client.stream import RequestRecord
+from splitserve_tools.bench.arrivals import arrival_times
+from splitserve_tools.bench.goodput import search_goodput
+from splitserve_tools.bench.metrics import SLO
+from splitserve_tools.bench.runner import Schedule, run_schedule
+from splitserve_tools.bench.workloads import Request
 
 REQ = Request("hi", 2, 4)
 THRESHOLD = 50.0

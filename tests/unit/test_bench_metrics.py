@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from splitserve_client.bench.goodput import slo_scale_sweep
-from splitserve_client.bench.metrics import SLO, attainment, meets, percentiles, summarize
 from splitserve_client.stream import RequestRecord
+from splitserve_tools.bench.goodput import slo_scale_sweep
+from splitserve_tools.bench.metrics import SLO, attainment, meets, percentiles, summarize
 
 
 def record(ttft: float, tpot: float, tokens: int) -> RequestRecord:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from splitserve_client.bench import target as target_module
-from splitserve_client.bench.goodput import Probe
-from splitserve_client.bench.metrics import SLO, summarize
-from splitserve_client.bench.report import TargetResult, build_report, write_json, write_plots
-from splitserve_client.bench.workloads import Request
-from splitserve_client.cli import parser
 from splitserve_client.stream import RequestRecord
+from splitserve_tools.bench import target as target_module
+from splitserve_tools.bench.goodput import Probe
+from splitserve_tools.bench.metrics import SLO, summarize
+from splitserve_tools.bench.report import TargetResult, build_report, write_json, write_plots
+from splitserve_tools.bench.workloads import Request
+from splitserve_tools.cli import parser
 
 SLO_ = SLO(0.2, 0.02)
 REQUESTS = [Request("x" * i, i + 1, 5) for i in range(1, 11)]
@@ -76,7 +76,7 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 
 def test_openai_targets_load_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target_module, "OPENAI_MODULE", "splitserve_client.bench.no_such_module")
+    monkeypatch.setattr(target_module, "OPENAI_MODULE", "splitserve_tools.bench.no_such_module")
     with pytest.raises(RuntimeError, match="no_such_module"):
         target_module.make_target("openai:http://127.0.0.1:8000/v1@m", "unused")
     with pytest.raises(ValueError, match="openai:http"):

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from splitserve.tokenizer import ByteTokenizer, load_tokenizer
-from splitserve_client.bench.prompts import exact_prompts, prompt_maker
-from splitserve_client.bench.workloads import (
+from splitserve_tools.bench.prompts import exact_prompts, prompt_maker
+from splitserve_tools.bench.workloads import (
     MIN_INPUT_LEN,
     WORKLOADS,
     make_requests,

@@ -10,10 +10,10 @@ import torch
 
 from splitserve.deploy.render import RoleSpec, default_cpu_layout, lend_prefill_cores
 from splitserve.serving.affinity import thread_affinity
-from splitserve.serving.config import ServingConfig, parse_core_sets
 from splitserve.serving.core_lend import Borrower, CoreLock, borrower_for
 from splitserve.serving.guard import GuardSettings, PayoffGuard
 from splitserve.serving.omp_team import TorchTeam
+from splitserve.serving.serving_config import ServingConfig, parse_core_sets
 
 
 @pytest.fixture

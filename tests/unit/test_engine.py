@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
-from splitserve.engine.prefill import PrefillEngine
+from splitserve.engine.prompt_pass import PrefillEngine
 from splitserve.engine.request import Request
+from splitserve.engine_config import EngineConfig
 from splitserve.kv.pool import KVPool
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

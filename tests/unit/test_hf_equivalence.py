@@ -7,7 +7,7 @@ import pytest
 from hf_reference import hf_greedy
 
 from splitserve import LLM, SamplingParams
-from splitserve.model.config import ModelConfig
+from splitserve.model.hf_config import ModelConfig
 from splitserve.tokenizer import load_tokenizer
 
 CKPTS = ["llama32_ckpt", "qwen2_ckpt", "mistral_ckpt", "mistral_swa_ckpt", "llama_bytes_ckpt"]

@@ -3,10 +3,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from splitserve import SamplingParams
-from splitserve.config import EngineConfig
 from splitserve.engine.build import build_components, scheduler_limits
 from splitserve.engine.engine import Engine
 from splitserve.engine.output import RequestOutput
+from splitserve.engine_config import EngineConfig
 from splitserve.serving.loop import EngineLoop
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.openai.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+from splitserve.openai.errors import APIError
+from splitserve.openai.served_model import ModelInfo
 from splitserve.tokenizer import ByteTokenizer
-from splitserve_client.openai_api.chat_template import FALLBACK_TEMPLATE, ChatTemplate
-from splitserve_client.openai_api.errors import APIError
-from splitserve_client.openai_api.served import ModelInfo
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"

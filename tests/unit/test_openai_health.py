@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from splitserve_client.openai_api.health import Probe, Readiness
+from splitserve.openai.health import Probe, Readiness
 
 
 def probe_of(*answers: bool | Exception) -> tuple[list[int], Probe]:

@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from splitserve_client.openai_api.errors import APIError
-from splitserve_client.openai_api.protocol import (
+from splitserve.openai.errors import APIError
+from splitserve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ignored_fields,
 )
-from splitserve_client.openai_api.sampling import (
+from splitserve.openai.sampling import (
     chat_max_tokens,
     check_chat,
     completion_prompt,

@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from splitserve_client.openai_api.errors import (
+from splitserve.openai.errors import (
     APIError,
     from_triton_message,
     model_not_found,
     validation_message,
 )
-from splitserve_client.openai_api.responses import Shape, finish_reason, usage
-from splitserve_client.openai_api.sse import DONE, ClientGone, event, unless_disconnected
+from splitserve.openai.responses import Shape, finish_reason, usage
+from splitserve.openai.sse import DONE, ClientGone, event, unless_disconnected
 
 
 def test_completion_shapes() -> None:

@@ -9,17 +9,17 @@ import pytest
 from test_planner_profile import synthetic_profile
 from test_planner_simulate import disagg
 
-from splitserve.planner.calibrate import (
+from splitserve_tools.planner.calibrate import (
     Observed,
     fit_contention,
     fit_request_s,
     loaded_rate,
 )
-from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
-from splitserve.planner.machine import Machine
-from splitserve.planner.placement import Limits, Placement
-from splitserve.planner.profile import Contention, Profile
-from splitserve.planner.simulate import Traffic, run
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, PrefillFit
+from splitserve_tools.planner.machine import Machine
+from splitserve_tools.planner.placement import Limits, Placement
+from splitserve_tools.planner.profile import Contention, Profile
+from splitserve_tools.planner.simulate import Traffic, run
 
 
 def test_machine_stretches_a_step_by_the_busy_share_of_the_other_cores() -> None:

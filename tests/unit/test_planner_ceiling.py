@@ -12,18 +12,18 @@ import pytest
 from test_planner_profile import synthetic_profile
 
 from splitserve.model.tiny import tiny_config
-from splitserve.planner.ceiling import (
+from splitserve_tools.planner.ceiling import (
     Lengths,
     UnitCost,
     ceilings,
     decode_token_cost,
 )
-from splitserve.planner.ceiling_report import ceiling_dict, ceiling_lines, extrapolation_lines
-from splitserve.planner.fit import DecodeFit, DecodeRange, DecodeSample, PrefillFit
-from splitserve.planner.gpu_model import H200, matmul_params, modelled_profile
-from splitserve.planner.profile import Rates
-from splitserve.planner.roofline import engine_costs, roofline_costs, shared_rates
-from splitserve_client.plan_ceiling import _measured, from_bench, resolve
+from splitserve_tools.planner.ceiling_report import ceiling_dict, ceiling_lines, extrapolation_lines
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, DecodeSample, PrefillFit
+from splitserve_tools.planner.gpu_model import H200, matmul_params, modelled_profile
+from splitserve_tools.planner.plan_ceiling import _measured, from_bench, resolve
+from splitserve_tools.planner.profile import Rates
+from splitserve_tools.planner.roofline import engine_costs, roofline_costs, shared_rates
 
 
 def linear_step(batch: int, context: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.planner.fit import (
+from splitserve_tools.planner.fit import (
     DecodeFit,
     DecodeRange,
     DecodeSample,

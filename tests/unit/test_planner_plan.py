@@ -10,9 +10,9 @@ from test_planner_profile import synthetic_profile
 
 from splitserve.deploy.render import render
 from splitserve.deploy.serve import ServeOptions, build_layout
-from splitserve.planner.placement import Limits, Placement, Role
-from splitserve.planner.plan import Plan
-from splitserve_client.cli import main as cli_main
+from splitserve_tools.cli import main as cli_main
+from splitserve_tools.planner.placement import Limits, Placement, Role
+from splitserve_tools.planner.plan import Plan
 
 DISAGG = Placement(
     "disagg",

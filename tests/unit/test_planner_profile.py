@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 
 from splitserve.model.tiny import tiny_config
-from splitserve.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
-from splitserve.planner.gpu_model import H200, modelled_profile
-from splitserve.planner.measure import Points
-from splitserve.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
-from splitserve_client.cli import main as cli_main
+from splitserve_tools.cli import main as cli_main
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
+from splitserve_tools.planner.gpu_model import H200, modelled_profile
+from splitserve_tools.planner.measure import Points
+from splitserve_tools.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
 
 
 def synthetic_profile(

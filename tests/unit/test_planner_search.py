@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from test_planner_profile import synthetic_profile
 
-from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
-from splitserve.planner.placement import Limits, Placement, Role
-from splitserve.planner.search import SLO, default_placement, goodput, search, splits
-from splitserve.planner.simulate import Traffic, run
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, PrefillFit
+from splitserve_tools.planner.placement import Limits, Placement, Role
+from splitserve_tools.planner.search import SLO, default_placement, goodput, search, splits
+from splitserve_tools.planner.simulate import Traffic, run
 
 TRAFFIC = Traffic.of_workload("chatbot", 120, 2048, seed=0)
 

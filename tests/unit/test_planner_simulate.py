@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from test_planner_profile import synthetic_profile
 
-from splitserve.planner.fit import DecodeFit, DecodeRange, PrefillFit
-from splitserve.planner.placement import Limits, Placement, Role
-from splitserve.planner.profile import ServingOverhead
-from splitserve.planner.simulate import Traffic, run
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, PrefillFit
+from splitserve_tools.planner.placement import Limits, Placement, Role
+from splitserve_tools.planner.profile import ServingOverhead
+from splitserve_tools.planner.simulate import Traffic, run
 
 ONE_BY_ONE = Limits(prefill_max_batch_size=1, prefill_queue_delay_s=0.0)
 

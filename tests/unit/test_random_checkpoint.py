@@ -10,7 +10,7 @@ from hf_reference import checkpoint_eos_ids, hf_greedy, hf_logits, load_hf_model
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from splitserve.model.random_checkpoint import PRESETS, main, write_random_checkpoint
+from splitserve.testing.checkpoints import PRESETS, main, write_random_checkpoint
 from splitserve.tokenizer import load_tokenizer
 
 CKPTS = ["llama32_ckpt", "qwen2_ckpt", "mistral_ckpt", "mistral_swa_ckpt", "llama_bytes_ckpt"]

@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.deploy.render import Layout, RoleSpec, default_gpu_layout, parse_gpus, render
 from splitserve.deploy.serve import ServeOptions, build_layout
-from splitserve.serving.config import ServingConfig
+from splitserve.serving.serving_config import ServingConfig
 
 
 def config(repo: Path, model: str) -> str:

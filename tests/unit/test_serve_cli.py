@@ -22,7 +22,7 @@ def serve_forever(opts, companion=None):
     companions.append(companion)
 
 serve.serve_forever = serve_forever
-from splitserve_client.cli import main
+from splitserve_tools.cli import main
 
 main(["serve", "--model=tiny", *sys.argv[1:]])
 (companion,) = companions

@@ -28,6 +28,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from splitserve.deploy.process_group import (
+    live_group_members,
+    openmp_registrations,
+    stub_shm_regions,
+)
 from splitserve.serving.affinity import ALLOWED_CORES_ENV, format_cores, pin_process_threads
 from splitserve.serving.drain import DRAIN_ENV
 from splitserve.transport.cleanup import sweep_dead_owners
@@ -38,9 +43,6 @@ LOGGER = logging.getLogger(__name__)
 NGC_ROOT = Path("/opt/tritonserver")
 PYTHON_BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
 STUB_NAME = "triton_python_backend_stub"
-SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
-STUB_INSTANCE_ARG = 8
-OPENMP_SHM = "__KMP_REGISTERED_LIB_{pid}_*"
 DRAIN_TIMEOUT_S = 5.0
 ACTIVE_REQUESTS = re.compile(
     r"^splitserve_(?:requests_active|queue_depth)\{[^}]*\} (?!0(\.0)?$)", re.M
@@ -185,57 +187,6 @@ def spawn(cmd: Sequence[str], env: Mapping[str, str], output: IO[bytes]) -> subp
     with open(armed_r, "rb") as armed:
         armed.read()  # EOF: the signal is set (or the wrapper is gone); this thread may exit
     return proc
-
-
-def stub_shm_regions(pids: list[int]) -> list[Path]:
-    """The /dev/shm regions named on the command lines of Python backend stubs among `pids`."""
-    regions = []
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        regions += [Path("/dev/shm") / arg for arg in argv if arg.startswith(SHM_REGION_PREFIX)]
-    return regions
-
-
-def openmp_registrations(pids: list[int]) -> list[Path]:
-    """The ``/dev/shm`` files the OpenMP runtime of torch registers per process among ``pids``;
-    a process killed with SIGKILL leaves its own behind."""
-    return [path for pid in pids for path in Path("/dev/shm").glob(OPENMP_SHM.format(pid=pid))]
-
-
-def stub_instances(pgid: int) -> dict[str, int]:
-    """Instance name (``llm_0_0``) -> pid of each live Python backend stub in group ``pgid``.
-
-    The stub's command line is: binary, model.py, shm region, shm sizes (2), server pid,
-    backend directory, IPC control handle, instance name, runtime.
-    """
-    stubs = {}
-    for pid in live_group_members(pgid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if len(argv) > STUB_INSTANCE_ARG and argv[0].endswith(STUB_NAME):
-            stubs[argv[STUB_INSTANCE_ARG]] = pid
-    return stubs
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the non-zombie processes in process group `pgid` (Linux /proc)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
 
 
 class TritonServer:

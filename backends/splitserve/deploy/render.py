@@ -111,7 +111,7 @@ def default_cpu_layout(layout: str, engine: dict[str, str], cores: int | None = 
 
 def lending_refusal(layout: Layout) -> str | None:
     """Why the prefill instance of ``layout`` cannot lend its cores to decode, or None."""
-    from splitserve.serving.config import parse_core_sets
+    from splitserve.serving.serving_config import parse_core_sets
 
     if layout.device != "cpu" or "prefill" not in LAYOUTS[layout.layout]:
         return "lending prefill cores needs a CPU layout with prefill and decode"
@@ -131,7 +131,7 @@ def default_server_cores(layout: Layout) -> set[int] | None:
     """Where tritonserver's own threads go by default: on CPUs, the prefill instances' cores,
     away from decode's engine threads, whose steps pace every stream (TPOT); None (anywhere)
     for GPU layouts and layouts without prefill."""
-    from splitserve.serving.config import parse_core_sets
+    from splitserve.serving.serving_config import parse_core_sets
 
     if layout.device != "cpu" or "prefill" not in LAYOUTS[layout.layout]:
         return None

@@ -66,7 +66,7 @@ class ServeOptions:
 
 
 def layout_from_plan(opts: ServeOptions) -> Layout:
-    from splitserve.planner.plan import Plan
+    from splitserve_tools.planner.plan import Plan
 
     assert opts.plan is not None
     layout = Plan.load(opts.plan).to_layout(opts.model)

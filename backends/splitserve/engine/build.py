@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 import splitserve_kernels as kernels
-from splitserve.config import EngineConfig
 from splitserve.engine.scheduler import SchedulerLimits
+from splitserve.engine_config import EngineConfig
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
 from splitserve.model import ModelConfig, is_tiny, load_model

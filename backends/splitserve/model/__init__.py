@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.model.config import ModelConfig
+from splitserve.model.hf_config import ModelConfig
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.model.loader import load_weights
 from splitserve.model.tiny import init_random_weights, tiny_config

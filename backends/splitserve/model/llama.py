@@ -12,7 +12,7 @@ from torch import nn
 
 import splitserve_kernels as kernels
 from splitserve.model.batch import ForwardBatch
-from splitserve.model.config import ModelConfig
+from splitserve.model.hf_config import ModelConfig
 from splitserve.model.linear import linear, pack
 from splitserve.model.rope import RotaryEmbedding
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from splitserve.model.config import RopeConfig
+from splitserve.model.hf_config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.model.config import ModelConfig
+from splitserve.model.hf_config import ModelConfig
 from splitserve.model.llama import LlamaForCausalLM
 
 TINY_HF_CONFIG: dict[str, object] = {

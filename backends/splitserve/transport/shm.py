@@ -27,7 +27,7 @@ from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport import cleanup
-from splitserve.transport.handoff import LeasedTransport
+from splitserve.transport.leased import LeasedTransport
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from splitserve.serving.config import ServingConfig, pin_to_cores
+from splitserve.serving.serving_config import ServingConfig, pin_to_cores
 from splitserve.triton.tensors import instance_index, model_parameters
 
 

@@ -1,5 +1,5 @@
 """Triton entry of ``llm`` (disaggregated decode stage); the logic lives in splitserve.triton."""
 
-from splitserve.triton.decode import DecodeModel as TritonPythonModel
+from splitserve.triton.decode_model import DecodeModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

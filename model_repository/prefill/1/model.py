@@ -1,5 +1,5 @@
 """Triton entry of ``prefill`` (internal prompt stage); the logic lives in splitserve.triton."""
 
-from splitserve.triton.prefill import PrefillModel as TritonPythonModel
+from splitserve.triton.prefill_model import PrefillModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

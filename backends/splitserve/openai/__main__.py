@@ -1,0 +1,3 @@
+from splitserve.openai.server import main
+
+main()

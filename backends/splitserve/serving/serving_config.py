@@ -1,0 +1,127 @@
+"""Per-role serving configuration, built from the ``parameters`` of a Triton ``config.pbtxt``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.engine_config import EngineConfig
+from splitserve.serving.affinity import allowed_cores, parse_cores
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str = "shm"
+    prefill_model: str = "prefill"
+    """Name of the model ``llm`` calls for prompts (disaggregated decode role only)."""
+    lease_ttl_s: float = 30.0
+    """How long prefill keeps a handed-over request's blocks if nobody pulls them."""
+    cpu_cores: str = ""
+    """Core sets per instance, ``;``-separated (``"0;1"``: instance 0 on core 0, instance 1 on
+    core 1); each set is a list/range like ``0,2-3``. Empty leaves placement to the OS."""
+    core_lock: str = ""
+    """Path of the lock by which one prefill instance lends its cores to one decode instance
+    between prompt passes (``serving.core_lend``); both roles name the same path. Empty: no
+    lending."""
+    lent_cores: str = ""
+    """Decode with ``core_lock``: the prefill instance's cores (a set like ``0`` or ``0-1``),
+    on which it adds threads while prefill is idle."""
+    default_max_tokens: int = 16
+    prefill_retry_s: float = 60.0
+    """How long ``llm`` keeps retrying a prompt while the prefill pool is full."""
+    cancel_poll_s: float = 0.1
+    """How often the engine loop asks Triton whether clients cancelled (an IPC per request)."""
+    metrics_interval_s: float = 0.1
+    max_queue: int = 1024
+    """Requests an ``llm``/``llm_colocated`` instance holds beyond its running batch (waiting
+    for prefill, KV blocks or a batch slot); more are refused with UNAVAILABLE. 0: no bound."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("lease_ttl_s", "default_max_tokens", "prefill_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0 (0: no bound)")
+        parse_core_sets(self.cpu_cores)
+        borrows = self.role == "decode" and bool(self.core_lock)
+        if self.lent_cores and not borrows:
+            raise ValueError("lent_cores applies to the decode role with a core_lock")
+        if borrows and not self.lent_cores:
+            raise ValueError("core_lock on the decode role needs lent_cores")
+        if len(parse_core_sets(self.lent_cores)) > 1:
+            raise ValueError("lent_cores: one core set (the prefill instance's)")
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> ServingConfig:
+        """Every key must be a field of this class or of EngineConfig; unknown keys are errors."""
+        own = {f.name: f for f in dataclasses.fields(cls) if f.name != "engine"}
+        eng = {f.name: f for f in dataclasses.fields(EngineConfig)}
+        own_kwargs: dict[str, Any] = {}
+        eng_kwargs: dict[str, Any] = {}
+        for key, raw in params.items():
+            if key in own:
+                own_kwargs[key] = _convert(key, raw, str(own[key].type))
+            elif key in eng:
+                eng_kwargs[key] = _convert(key, raw, str(eng[key].type))
+            else:
+                raise ValueError(f"unknown parameter {key!r} in config.pbtxt")
+        return cls(engine=EngineConfig(**eng_kwargs), **own_kwargs)
+
+    @property
+    def lent_core_set(self) -> set[int]:
+        sets = parse_core_sets(self.lent_cores)
+        return sets[0] if sets else set()
+
+    def cores_for(self, instance_index: int) -> set[int] | None:
+        sets = parse_core_sets(self.cpu_cores)
+        return sets[instance_index % len(sets)] if sets else None
+
+
+def _convert(key: str, raw: str, type_name: str) -> Any:
+    text = raw.strip()
+    if "None" in type_name and text.lower() in ("", "none"):
+        return None
+    try:
+        if type_name.startswith("int"):
+            return int(text)
+        if type_name.startswith("float"):
+            return float(text)
+        if type_name.startswith("bool"):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+    except ValueError:
+        raise ValueError(f"parameter {key!r}: cannot read {raw!r} as {type_name}") from None
+    return text
+
+
+def parse_core_sets(spec: str) -> list[set[int]]:
+    """``"0-1;2"`` -> ``[{0, 1}, {2}]``: one core set per instance."""
+    sets = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        try:
+            sets.append(parse_cores(part))
+        except ValueError as exc:
+            raise ValueError(f"cpu_cores: {exc}") from None
+    return sets
+
+
+def pin_to_cores(cores: set[int] | None, num_threads: int | None) -> None:
+    """Restrict this thread to ``cores`` (else to every allowed core: a stub restarted after the
+    launcher narrowed the server's affinity inherits the narrow set) and size torch's thread
+    pool to match."""
+    import torch
+
+    os.sched_setaffinity(0, cores or allowed_cores())
+    threads = num_threads or (len(cores) if cores else None)
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,2 @@
+"""Tooling for tests and scripts: random-weight checkpoints, stub lookups. No runtime module
+imports it."""

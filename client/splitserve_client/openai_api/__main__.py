@@ -1,3 +1,0 @@
-from splitserve_client.openai_api.server import main
-
-main()

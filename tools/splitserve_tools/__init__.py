@@ -1,0 +1,1 @@
+"""Tools on top of the runtime: the workload model, the load generator, the planner."""

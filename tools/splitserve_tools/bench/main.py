@@ -1,0 +1,145 @@
+"""What ``splitserve bench`` runs: build the requests once, then probe each target in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitserve_tools.bench.arrivals import arrival_times
+from splitserve_tools.bench.goodput import Probe, probe, search_goodput, slo_scale_sweep
+from splitserve_tools.bench.metrics import SLO
+from splitserve_tools.bench.prompts import load_bench_tokenizer, prompt_maker
+from splitserve_tools.bench.report import TargetResult, build_report, write_json, write_plots
+from splitserve_tools.bench.runner import Schedule
+from splitserve_tools.bench.target import make_target
+from splitserve_tools.bench.workloads import Request, make_requests, workload_lengths
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    targets: list[str]
+    url: str = "localhost:8001"
+    workload: str = "chatbot"
+    input_len: int | None = None
+    output_len: int | None = None
+    tokenizer: str = "tiny"
+    max_model_len: int = 2048
+    arrival: str = "poisson"
+    cv: float = 1.0
+    rate: float | None = None
+    goodput: bool = False
+    rate_min: float = 0.1
+    rate_max: float = 10.0
+    max_probes: int = 8
+    num_requests: int = 100
+    ttft_slo: float = 1.0
+    tpot_slo: float = 0.1
+    attainment: float = 0.9
+    slo_scales: list[float] = field(default_factory=list)
+    json_path: Path | None = None
+    plot_dir: Path | None = None
+    seed: int = 0
+    progress: bool = True
+
+
+def build_lengths(opts: BenchOptions) -> list[tuple[int, int]]:
+    """(input, output) tokens of each request, in arrival order."""
+    return workload_lengths(
+        opts.workload,
+        opts.num_requests,
+        opts.max_model_len,
+        opts.seed,
+        input_len=opts.input_len,
+        output_len=opts.output_len,
+    )
+
+
+def build_requests(opts: BenchOptions) -> list[Request]:
+    tokenizer = load_bench_tokenizer(opts.tokenizer)
+    return make_requests(build_lengths(opts), prompt_maker(tokenizer), opts.seed)
+
+
+async def _bench_target(
+    spec: str, opts: BenchOptions, requests: list[Request], slo: SLO
+) -> TargetResult:
+    def schedule_for(rate: float) -> Schedule:
+        times = arrival_times(opts.arrival, rate, len(requests), opts.seed, opts.cv)
+        return list(zip(times.tolist(), requests, strict=True))
+
+    target = make_target(spec, opts.url)
+    try:
+        goodput: float | None = None
+        probes: list[Probe]
+        if opts.goodput:
+            found = await search_goodput(
+                target,
+                schedule_for,
+                slo,
+                rate_min=opts.rate_min,
+                rate_max=opts.rate_max,
+                min_attainment=opts.attainment,
+                max_probes=opts.max_probes,
+                progress=opts.progress,
+            )
+            goodput, probes = found.goodput_rps, found.probes
+        else:
+            assert opts.rate is not None
+            probes = [await probe(target, schedule_for, opts.rate, slo, opts.progress)]
+    finally:
+        await target.close()
+    result = TargetResult(spec, probes, goodput)
+    if opts.slo_scales:
+        sweep = slo_scale_sweep(result.main.records, slo, opts.slo_scales)
+        result = dataclasses.replace(result, slo_scales=sweep)
+    return result
+
+
+async def run_bench(opts: BenchOptions) -> dict[str, Any]:
+    """Benchmark every target (one after the other, same requests); returns the JSON report and
+    writes it / the plots where asked."""
+    if not opts.goodput and opts.rate is None:
+        raise ValueError("give --rate, or --goodput to search for it")
+    slo = SLO(opts.ttft_slo, opts.tpot_slo)
+    requests = build_requests(opts)
+    results = [await _bench_target(spec, opts, requests, slo) for spec in opts.targets]
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()}
+    report = build_report(
+        results,
+        workload=opts.workload,
+        requests=requests,
+        slo=slo,
+        min_attainment=opts.attainment,
+        config=config,
+    )
+    if opts.json_path is not None:
+        write_json(report, opts.json_path)
+    if opts.plot_dir is not None:
+        write_plots(results, slo, opts.attainment, opts.plot_dir)
+    return report
+
+
+def bench(opts: BenchOptions) -> dict[str, Any]:
+    return asyncio.run(run_bench(opts))
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """A plain table of the report's summary: one line per target."""
+    lines = [
+        f"{'target':<40} {'rate':>7} {'attain':>6} {'goodput':>8} {'TTFT p50/p99 ms':>17} "
+        f"{'TPOT p50/p99 ms':>17} {'errors':>6}"
+    ]
+    for s in report["summary"]:
+        goodput = "-" if s["goodput_rps"] is None else f"{s['goodput_rps']:.3g}"
+        lines.append(
+            f"{s['target']:<40} {s['rate']:>7.3g} {s['attainment']:>6.2f} {goodput:>8} "
+            f"{_ms(s['ttft_p50'])}/{_ms(s['ttft_p99'])} {_ms(s['tpot_p50'])}/{_ms(s['tpot_p99'])} "
+            f"{s['errors']:>6}"
+        )
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{'nan' if seconds is None else f'{seconds * 1e3:.1f}':>8}"

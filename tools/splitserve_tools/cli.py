@@ -1,0 +1,32 @@
+"""The ``splitserve`` command: the runtime's ``serve``, ``generate`` and ``openai``, and the
+tools' ``bench`` and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from splitserve.cli import add_runtime_parsers
+from splitserve_tools.bench.cli import add_bench_parser
+from splitserve_tools.planner.plan_cli import add_plan_parsers
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="splitserve", description="Disaggregated LLM serving on Triton"
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_runtime_parsers(sub)
+    add_bench_parser(sub)
+    add_plan_parsers(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

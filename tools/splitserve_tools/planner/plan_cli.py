@@ -1,0 +1,237 @@
+"""``splitserve plan``: the planner's subcommands (profile, calibrate, search, ceiling) and their
+flags."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitserve_tools.planner.plan_ceiling import add_ceiling_parser
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def cmd_plan_profile(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from splitserve_tools.planner.commands import QUICK_POINTS, build_profile, profile_lines
+    from splitserve_tools.planner.measure import Points
+    from splitserve_tools.planner.profile import ServingOverhead
+
+    points = QUICK_POINTS if args.quick else Points()
+    given = {
+        key: getattr(args, key)
+        for key in ("prefill_lengths", "prefill_batches", "decode_batches", "decode_contexts")
+        if getattr(args, key) is not None
+    }
+    for key in ("decode_steps", "repeats"):
+        if getattr(args, key) is not None:
+            given[key] = getattr(args, key)
+    points = dataclasses.replace(points, **given)
+    profile = build_profile(
+        args.model,
+        args.device,
+        args.dtype or ("bfloat16" if args.modelled else "float32"),
+        points,
+        cores=list(args.cores) if args.cores else None,
+        modelled=args.modelled,
+        serving=ServingOverhead(args.token_overhead_ms / 1e3, args.request_overhead_ms / 1e3),
+        progress=not args.no_progress,
+    )
+    profile.save(args.out)
+    print("\n".join(profile_lines(profile)))
+    print(f"wrote {args.out}")
+
+
+def cmd_plan_calibrate(args: argparse.Namespace) -> None:
+    from splitserve_tools.planner.commands import profile_lines
+    from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
+    from splitserve_tools.planner.profile import Profile
+    from splitserve_tools.planner.served_plan import Ports
+
+    profile = Profile.load(args.profile)
+    opts = CalibrateOptions(
+        devices=args.cores or args.gpus,
+        workload=args.workload,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        num_requests=args.num_requests,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_bytes,
+        ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
+        progress=not args.no_progress,
+    )
+    calibrated = calibrate(profile, opts, args.work_dir)
+    calibrated.save(args.out)
+    print("\n".join(profile_lines(calibrated)))
+    print(f"wrote {args.out}")
+
+
+def cmd_plan_search(args: argparse.Namespace) -> None:
+    from splitserve_tools.planner.commands import (
+        default_limits,
+        make_plan,
+        result_lines,
+        search_budget,
+        write_results,
+    )
+    from splitserve_tools.planner.profile import Profile
+    from splitserve_tools.planner.search import SLO
+    from splitserve_tools.planner.simulate import Traffic
+
+    profile = Profile.load(args.profile)
+    budgets = args.cores or args.gpus
+    if (args.cores is not None) != (profile.device == "cpu"):
+        raise SystemExit(
+            f"this profile is of device {profile.device!r}: give --cores for cpu, --gpus for gpu"
+        )
+    if len(budgets) > 1 and (args.out or args.render):
+        raise SystemExit("--out and --render need a single --cores/--gpus budget")
+    max_len = min(args.max_model_len, profile.shape.max_model_len)
+    traffic = Traffic.of_workload(
+        args.workload,
+        args.num_requests,
+        max_len,
+        args.seed,
+        args.arrival,
+        args.cv,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        min_duration_s=args.min_duration_s,
+    )
+    slo = SLO(args.ttft_slo, args.tpot_slo, args.attainment)
+    base = default_limits(profile, args.kv_cache_bytes)
+    results = []
+    for devices in budgets:
+        result = search_budget(profile, traffic, slo, devices, base, not args.no_progress)
+        results.append(result)
+        print("\n".join(result_lines(profile, result, args.top)))
+    if args.json:
+        write_results(args.json, profile, results)
+    if args.out or args.render:
+        info = {
+            "workload": args.workload,
+            "num_requests": args.num_requests,
+            "max_model_len": max_len,
+            "seed": args.seed,
+            "arrival": args.arrival,
+            "cv": args.cv,
+            "min_duration_s": args.min_duration_s,
+        }
+        plan = make_plan(profile, results[0], info, slo, max_len, args.top)
+        if args.out:
+            plan.save(args.out)
+            print(f"wrote {args.out}")
+        if args.render:
+            from splitserve.deploy.render import render
+
+            render(plan.to_layout(), args.render)
+            print(f"rendered the model repository into {args.render}")
+
+
+def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="offline placement planner: profile, simulate, search")
+    psub = plan.add_subparsers(dest="plan_command", required=True)
+
+    p = psub.add_parser("profile", help="time prefill and decode steps and fit a latency model")
+    p.add_argument("--model", default="tiny", help="'tiny' or a local checkpoint dir")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--cores",
+        type=_ints,
+        help="core counts per instance to profile, e.g. 1,2 (one pinned subprocess each); "
+        "default: this process's cores",
+    )
+    p.add_argument(
+        "--modelled",
+        action="store_true",
+        help="GPU: compute the profile from H200 bandwidth and FLOP rate instead of measuring",
+    )
+    p.add_argument("--quick", action="store_true", help="very few points (a smoke test)")
+    p.add_argument("--prefill-lengths", type=_ints)
+    p.add_argument("--prefill-batches", type=_ints)
+    p.add_argument("--decode-batches", type=_ints)
+    p.add_argument("--decode-contexts", type=_ints, help="context tokens per sequence")
+    p.add_argument("--decode-steps", type=int)
+    p.add_argument("--repeats", type=int)
+    p.add_argument(
+        "--token-overhead-ms",
+        type=float,
+        default=0.3,
+        help="serving cost per streamed token (the Python backend's response IPC; 0.3 ms measured "
+        "on the 2-core machine, BENCHMARKS.md)",
+    )
+    p.add_argument("--request-overhead-ms", type=float, default=0.0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_plan_profile)
+
+    c = psub.add_parser(
+        "calibrate",
+        help="serve the default placement, time it with the bench, fit the serving costs",
+    )
+    c.add_argument("--profile", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True, help="the calibrated profile")
+    devices = c.add_mutually_exclusive_group(required=True)
+    devices.add_argument("--cores", type=int, help="cores of the served placement")
+    devices.add_argument("--gpus", type=int, help="GPUs of the served placement")
+    c.add_argument(
+        "--workload",
+        choices=["chatbot", "code", "summarization", "fixed"],
+        default="fixed",
+        help="lengths of the loaded run: best the workload you plan for",
+    )
+    c.add_argument("--input-len", type=int, default=512)
+    c.add_argument("--output-len", type=int, default=128)
+    c.add_argument("--num-requests", type=int, default=150, help="requests of the loaded run")
+    c.add_argument("--max-model-len", type=int, default=2048)
+    c.add_argument("--kv-cache-bytes", type=int, help="KV pool per instance")
+    c.add_argument("--http-port", type=int, default=18700)
+    c.add_argument("--grpc-port", type=int, default=18701)
+    c.add_argument("--metrics-port", type=int, default=18702)
+    c.add_argument("--work-dir", type=Path, help="keep the bench reports and server log here")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cmd_plan_calibrate)
+
+    s = psub.add_parser("search", help="simulate placements and rank them by goodput per device")
+    s.add_argument("--profile", type=Path, required=True)
+    s.add_argument(
+        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+    )
+    s.add_argument("--input-len", type=int)
+    s.add_argument("--output-len", type=int)
+    s.add_argument("--ttft-slo", type=float, required=True, help="seconds")
+    s.add_argument("--tpot-slo", type=float, required=True, help="seconds")
+    s.add_argument("--attainment", type=float, default=0.9)
+    budget = s.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--cores", type=_ints, help="cores to place on (a list: one search each)")
+    budget.add_argument("--gpus", type=_ints, help="GPUs to place on, e.g. 8 or 1,2,4,8")
+    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--num-requests", type=int, default=300, help="simulated requests per run")
+    s.add_argument(
+        "--min-duration-s",
+        type=float,
+        default=20.0,
+        help="at high rates, repeat the requests until arrivals span this long (sustained "
+        "load, not one burst); 0: exactly --num-requests, as `splitserve bench` sends",
+    )
+    s.add_argument("--arrival", choices=["poisson", "gamma", "fixed"], default="poisson")
+    s.add_argument("--cv", type=float, default=1.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--kv-cache-bytes", type=int, help="KV pool per instance")
+    s.add_argument("--top", type=int, default=8, help="placements to print")
+    s.add_argument("--out", type=Path, help="write the best placement as plan.json")
+    s.add_argument("--render", type=Path, help="render its Triton model repository here")
+    s.add_argument("--json", type=Path, help="every placement tried, with its attainment curve")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_plan_search)
+
+    add_ceiling_parser(psub)

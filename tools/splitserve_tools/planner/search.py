@@ -1,0 +1,185 @@
+"""Goodput of a placement on the simulator, and the search over placements.
+
+Goodput is DistServe's: the highest rate at which ``attainment`` of the requests meet both
+SLOs. It is found by doubling (or halving) the rate from a first guess until the answer
+changes, then bisecting geometrically to ``rel_tol``. Placements use exactly the devices given
+(cores or GPUs); they are ranked by goodput per device, so budgets of different sizes compare.
+The search runs in two rounds: every split of the devices with the default batching limits,
+then the batching limits on the best splits of each mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from splitserve_tools.planner.placement import Limits, Placement, Role
+from splitserve_tools.planner.profile import Profile
+from splitserve_tools.planner.simulate import Traffic, run
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    placement: Placement
+    goodput_rps: float
+    curve: tuple[tuple[float, float], ...]
+    """(rate, attainment) of every simulated run, by rate."""
+
+    @property
+    def per_device(self) -> float:
+        return self.goodput_rps / self.placement.devices
+
+
+def attainment_at(
+    profile: Profile, placement: Placement, traffic: Traffic, slo: SLO, rate: float
+) -> float:
+    return run(profile, placement, traffic, rate).attainment(slo.ttft_s, slo.tpot_s)
+
+
+def goodput(
+    profile: Profile,
+    placement: Placement,
+    traffic: Traffic,
+    slo: SLO,
+    first_rate: float = 1.0,
+    rel_tol: float = 0.02,
+    min_rate: float = 1e-3,
+    max_rate: float = 1e5,
+) -> Candidate:
+    """Goodput within [``min_rate``, ``max_rate``]: ``max_rate`` if it passes there, 0 if
+    nothing from ``min_rate`` up passes."""
+    curve: dict[float, float] = {}
+
+    def passes(rate: float) -> bool:
+        curve[rate] = attainment_at(profile, placement, traffic, slo, rate)
+        return curve[rate] >= slo.attainment
+
+    rate = min(first_rate, max_rate)
+    if passes(rate):
+        lo = rate
+        while True:
+            up = min(lo * 2, max_rate)
+            if up <= lo:
+                return Candidate(placement, lo, tuple(sorted(curve.items())))
+            if not passes(up):
+                hi = up
+                break
+            lo = up
+    else:
+        hi = rate
+        while not passes(hi / 2):
+            hi /= 2
+            if hi < min_rate:
+                return Candidate(placement, 0.0, tuple(sorted(curve.items())))
+        lo = hi / 2
+    while hi / lo > 1 + rel_tol:
+        mid = (lo * hi) ** 0.5
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Candidate(placement, lo, tuple(sorted(curve.items())))
+
+
+def splits(profile: Profile, devices: int) -> list[Placement]:
+    """Every placement using exactly ``devices`` with the profile's instance sizes."""
+    sizes = sorted(profile.units)
+    out = [
+        Placement("colocated", colocated=Role(devices // u, u)) for u in sizes if devices % u == 0
+    ]
+    for up in sizes:
+        for ud in sizes:
+            for n_p in range(1, devices // up + 1):
+                rest = devices - n_p * up
+                if rest >= ud and rest % ud == 0:
+                    out.append(
+                        Placement("disagg", prefill=Role(n_p, up), decode=Role(rest // ud, ud))
+                    )
+    return out
+
+
+def limit_variants(placement: Placement, base: Limits) -> list[Limits]:
+    seqs = sorted({base.max_num_seqs, 32, 128})
+    if placement.mode == "disagg":
+        return [
+            dataclasses.replace(base, prefill_max_batch_size=b, max_num_seqs=s)
+            for b in sorted({base.prefill_max_batch_size, 1, 4, 16})
+            for s in seqs
+        ]
+    chunked = [(False, base.max_num_batched_tokens), (True, 512), (True, 2048)]
+    return [
+        dataclasses.replace(base, chunked_prefill=c, max_num_batched_tokens=t, max_num_seqs=s)
+        for c, t in chunked
+        for s in seqs
+    ]
+
+
+def _evaluate(
+    profile: Profile,
+    placements: Iterable[Placement],
+    traffic: Traffic,
+    slo: SLO,
+    progress: bool,
+    desc: str,
+) -> list[Candidate]:
+    items = list(placements)
+    return [goodput(profile, p, traffic, slo) for p in tqdm(items, desc=desc, disable=not progress)]
+
+
+def rank(candidates: Iterable[Candidate]) -> list[Candidate]:
+    return sorted(candidates, key=lambda c: (-c.per_device, -c.goodput_rps, c.placement.devices))
+
+
+def search(
+    profile: Profile,
+    traffic: Traffic,
+    slo: SLO,
+    devices: int,
+    base: Limits,
+    top_splits: int = 2,
+    progress: bool = True,
+) -> list[Candidate]:
+    """Every placement tried, best first."""
+    shapes = [dataclasses.replace(p, limits=base) for p in splits(profile, devices)]
+    if not shapes:
+        raise ValueError(
+            f"no placement fits {devices} {profile.unit_name} with instance sizes "
+            f"{sorted(profile.units)}"
+        )
+    first = rank(_evaluate(profile, shapes, traffic, slo, progress, "splits"))
+    tuned: list[Placement] = []
+    for mode in ("disagg", "colocated"):
+        for cand in [c for c in first if c.placement.mode == mode][:top_splits]:
+            tuned += [
+                dataclasses.replace(cand.placement, limits=lim)
+                for lim in limit_variants(cand.placement, base)
+                if lim != base
+            ]
+    second = _evaluate(profile, tuned, traffic, slo, progress, "batching limits")
+    return rank([*first, *second])
+
+
+def default_placement(profile: Profile, devices: int, base: Limits) -> Placement:
+    """The hand-picked layout of ``splitserve serve`` without a plan, as far as the simulator
+    can hold it: CPU, one prefill instance on the first half of the cores and one decode
+    instance on the rest; GPU, half of the GPUs prefill and the rest decode, one instance each."""
+    half = max(1, devices // 2)
+    if devices < 2:
+        raise ValueError("the default disaggregated layout needs 2 devices or more")
+    if profile.device == "gpu":
+        prefill, decode = Role(half, 1), Role(devices - half, 1)
+    else:
+        prefill, decode = Role(1, half), Role(1, devices - half)
+    for role in (prefill, decode):
+        profile.unit(role.units)
+    return Placement("disagg", prefill=prefill, decode=decode, limits=base)

@@ -1,0 +1,173 @@
+"""Discrete-event simulation of a placement under open-loop traffic.
+
+Disaggregated: a request arrives at ``llm`` (instances taken in turn), waits ``request_s`` (the
+adapter and the BLS call), queues at ``prefill``; when its prefill batch ends, its decode
+instance sends the first token between two steps, pulls the KV when it has room and streams
+the rest. Colocated: the
+request queues at an ``llm_colocated`` instance (in turn) whose engine mixes its prompt pass
+with the running decodes. Traffic is the bench's: the same length distributions and arrival
+processes, with the same seeds, so a simulated run predicts a measured one request for request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import cycle
+
+import numpy as np
+
+from splitserve_tools.bench.arrivals import arrival_times
+from splitserve_tools.bench.workloads import workload_lengths
+from splitserve_tools.planner.events import Clock, SimRequest
+from splitserve_tools.planner.instances import EngineInstance, PrefillPool, StepModel
+from splitserve_tools.planner.machine import Machine
+from splitserve_tools.planner.placement import Placement, Role
+from splitserve_tools.planner.profile import Profile
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The requests of one run, without their arrival times (those depend on the rate).
+
+    With ``min_duration_s``, a run at a high rate repeats the lengths until its arrivals span
+    that long (up to ``max_requests``): a fixed number of requests arriving faster than the
+    system serves them is one burst, not sustained load. 0 simulates exactly ``lengths``, as
+    the bench sends them."""
+
+    lengths: tuple[tuple[int, int], ...]
+    arrival: str = "poisson"
+    cv: float = 1.0
+    seed: int = 0
+    min_duration_s: float = 0.0
+    max_requests: int = 20000
+
+    @classmethod
+    def of_workload(
+        cls,
+        workload: str,
+        num_requests: int,
+        max_model_len: int,
+        seed: int = 0,
+        arrival: str = "poisson",
+        cv: float = 1.0,
+        input_len: int | None = None,
+        output_len: int | None = None,
+        min_duration_s: float = 0.0,
+    ) -> Traffic:
+        lengths = workload_lengths(
+            workload, num_requests, max_model_len, seed, input_len=input_len, output_len=output_len
+        )
+        return cls(tuple(lengths), arrival, cv, seed, min_duration_s)
+
+    def at_rate(self, rate: float) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """The lengths and arrival times of a run at ``rate``."""
+        wanted = math.ceil(rate * self.min_duration_s)
+        count = max(len(self.lengths), min(wanted, self.max_requests))
+        reps = -(-count // len(self.lengths))
+        lengths = (list(self.lengths) * reps)[:count]
+        return lengths, arrival_times(self.arrival, rate, count, self.seed, self.cv)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Per request, in arrival order; NaN where a request never got that far (and for the TPOT
+    of one-token requests, as the bench counts them)."""
+
+    rate: float
+    ttft: np.ndarray
+    tpot: np.ndarray
+    e2e: np.ndarray
+    output_len: np.ndarray
+
+    def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
+        done = np.isfinite(self.e2e)
+        ttft_ok = self.ttft <= ttft_slo
+        tpot_ok = np.isnan(self.tpot) | (self.tpot <= tpot_slo)
+        return float(np.mean(done & ttft_ok & tpot_ok))
+
+    def percentiles(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)):
+            finite = values[np.isfinite(values)]
+            for p in PERCENTILES:
+                out[f"{name}_p{p}"] = float(np.percentile(finite, p)) if finite.size else math.nan
+        return out
+
+
+def step_model(profile: Profile, role: Role) -> StepModel:
+    """The step times of one of ``role``'s instances. On CPUs a streamed token costs a step
+    its serving cost once per core: that work (the sender thread, tritonserver, the client)
+    preempts one thread of the instance's OpenMP team while the others wait at the barrier."""
+    unit = profile.unit(role.units)
+    per_core = role.units if profile.device == "cpu" else 1
+    return StepModel(
+        prefill=unit.prefill,
+        decode=unit.decode,
+        handoff=profile.handoff,
+        kv_bytes_per_token=profile.shape.kv_bytes_per_token,
+        block_size=profile.shape.block_size,
+        token_s=profile.serving.token_s * per_core,
+    )
+
+
+def simulate(
+    profile: Profile, placement: Placement, lengths: Sequence[tuple[int, int]], times: np.ndarray
+) -> list[SimRequest]:
+    """Run the placement over requests arriving at ``times``; returns them, finished or not."""
+    clock = Clock()
+    machine = Machine(profile.contention, placement.devices)
+    lim = placement.limits
+    reqs = [
+        SimRequest(i, float(t), inp, out)
+        for i, ((inp, out), t) in enumerate(zip(lengths, times, strict=True))
+    ]
+    delay = profile.serving.request_s
+
+    if placement.mode == "disagg":
+        assert placement.prefill is not None and placement.decode is not None
+        decode = placement.decode
+        decoders = [
+            EngineInstance(clock, machine, decode.units, step_model(profile, decode), lim)
+            for _ in range(decode.instances)
+        ]
+        owner: dict[int, EngineInstance] = {}
+        pool = PrefillPool(
+            clock,
+            machine,
+            placement.prefill.instances,
+            placement.prefill.units,
+            step_model(profile, placement.prefill),
+            lim,
+            lambda req: owner[req.idx].add_prefilled(req),
+        )
+        turn = cycle(decoders)
+        for req in reqs:
+            owner[req.idx] = next(turn)
+            clock.at(req.arrival + delay, lambda req=req: pool.submit(req))
+    else:
+        assert placement.colocated is not None
+        role = placement.colocated
+        model = step_model(profile, role)
+        engines = [
+            EngineInstance(clock, machine, role.units, model, lim) for _ in range(role.instances)
+        ]
+        for req, engine in zip(reqs, cycle(engines)):
+            clock.at(req.arrival + delay, lambda req=req, e=engine: e.add_prompt(req))
+    clock.run()
+    return reqs
+
+
+def run(profile: Profile, placement: Placement, traffic: Traffic, rate: float) -> SimResult:
+    reqs = simulate(profile, placement, *traffic.at_rate(rate))
+    arrival = np.array([r.arrival for r in reqs])
+    first = np.array([r.first for r in reqs])
+    last = np.array([r.last for r in reqs])
+    out = np.array([r.output_len for r in reqs])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(out > 1, (last - first) / np.maximum(out - 1, 1), math.nan)
+    tpot = np.where(np.isfinite(last), tpot, math.nan)
+    return SimResult(rate, first - arrival, tpot, last - arrival, out)
