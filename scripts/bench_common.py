@@ -8,7 +8,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from splitserve.deploy.serve import ServeOptions
+from splitserve.deploy.serve import ServeOptions, build_spec
+from splitserve.deploy.spec import DeploymentSpec
 from splitserve.testing.checkpoints import PRESETS, write_random_checkpoint
 from splitserve.tokenizer import Tokenizer, load_tokenizer
 from splitserve_tools.bench.prompts import exact_prompts
@@ -36,20 +37,21 @@ def tokenizer_for(model: str) -> Tokenizer:
 
 
 def loopback(
-    model: str, layout: str, base_port: int, engine: dict[str, str], **more: Any
-) -> ServeOptions:
-    """Serve options on 127.0.0.1: HTTP on ``base_port``, gRPC on the next, metrics on the one
-    after."""
-    return ServeOptions(
+    model: str, layout: str, base_port: int, settings: dict[str, str], **more: Any
+) -> DeploymentSpec:
+    """A deployment on 127.0.0.1 as ``splitserve serve`` builds it: HTTP on ``base_port``, gRPC
+    on the next, metrics on the one after."""
+    opts = ServeOptions(
         model=model,
         layout=layout,
-        engine=engine,
+        settings=settings,
         http_port=base_port,
         grpc_port=base_port + 1,
         metrics_port=base_port + 2,
         host="127.0.0.1",
         **more,
     )
+    return build_spec(opts)
 
 
 def counters(metrics_url: str) -> dict[tuple[str, str], float]:

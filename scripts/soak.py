@@ -32,7 +32,8 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput
 
 from splitserve.deploy.launcher import TritonServer, free_ports
-from splitserve.deploy.render import default_cpu_layout, render
+from splitserve.deploy.render import render
+from splitserve.deploy.spec import default_cpu_spec
 from splitserve.testing.procfs import stub_instances
 
 MODELS = ("llm", "llm_colocated")
@@ -314,14 +315,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     args = parser.parse_args()
-    engine = {
+    settings = {
         "model": args.model,
-        "max_model_len": "2048",
-        "num_kv_blocks": str(args.kv_blocks),
-        "lease_ttl_s": "10",
+        "max_model_len": 2048,
+        "num_kv_blocks": args.kv_blocks,
+        "lease_ttl_s": 10.0,
     }
     workdir = Path(tempfile.mkdtemp(prefix="splitserve-soak-"))
-    repo = render(default_cpu_layout("both", engine), workdir / "repo")
+    spec = default_cpu_spec("both", settings, lend_prefill_cores=False)
+    repo = render(spec, workdir / "repo")
     http_port, grpc_port, metrics_port = free_ports(3)
     with TritonServer(
         repo,

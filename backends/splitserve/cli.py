@@ -12,21 +12,23 @@ from splitserve.openai.options import OpenAIOptions, add_frontend_arguments
 from splitserve.openai.options import add_arguments as add_openai_arguments
 
 if TYPE_CHECKING:
+    from splitserve.deploy.serve import ServeOptions
     from splitserve.openai.server import BackgroundFrontend
 
 
-def _engine_params(args: argparse.Namespace) -> dict[str, str]:
-    params = {}
+def _settings(args: argparse.Namespace) -> dict[str, str]:
+    """Engine and serving settings as given: the dedicated flags, then ``--param KEY=VALUE``."""
+    settings = {}
     for key in ("dtype", "max_model_len", "block_size", "kv_cache_bytes", "max_num_seqs"):
         value = getattr(args, key)
         if value is not None:
-            params[key] = str(value)
+            settings[key] = str(value)
     for item in args.param or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--param expects KEY=VALUE, got {item!r}")
-        params[key] = value
-    return params
+            raise ValueError(f"--param expects KEY=VALUE, got {item!r}")
+        settings[key.strip()] = value
+    return settings
 
 
 def _frontend_beside(args: argparse.Namespace) -> OpenAIOptions:
@@ -43,6 +45,7 @@ def _frontend_beside(args: argparse.Namespace) -> OpenAIOptions:
         max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         log_level=args.openai_log_level,
+        stream_idle_timeout=args.stream_idle_timeout,
     )
 
 
@@ -70,71 +73,46 @@ PLACEMENT_FLAGS = (
     "decode_gpus",
     "colocated_gpus",
 )
-SERVE_DEFAULTS = {
-    "layout": "both",
-    "device": "cpu",
-    "prefill_instances": 1,
-    "decode_instances": 1,
-    "colocated_instances": 1,
-}
 
 
-def _resolve_serve_args(args: argparse.Namespace) -> None:
-    """Fill ``serve``'s placement defaults, or take them from ``--plan`` (which then must not
-    be contradicted by placement flags)."""
-    if args.plan is None:
-        args.model = args.model or "tiny"
-        for key, value in SERVE_DEFAULTS.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-        return
-    from splitserve_tools.planner.plan import Plan
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """``serve``'s flags; with ``--plan``, placement flags are refused (the plan sets them)."""
+    from splitserve.deploy.serve import ServeOptions
 
-    given = [f"--{k.replace('_', '-')}" for k in PLACEMENT_FLAGS if getattr(args, k) is not None]
-    if given:
-        raise SystemExit(f"--plan sets the placement; drop {', '.join(given)}")
-    plan = Plan.load(args.plan)
-    args.model = args.model or plan.model
-    args.layout = plan.placement.mode
-    args.device = plan.device
-    args.max_model_len = args.max_model_len or plan.max_model_len
-    for key, value in SERVE_DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-
-
-def cmd_serve(args: argparse.Namespace) -> None:
-    from splitserve.deploy.serve import ServeOptions, serve_forever
-
-    _resolve_serve_args(args)
-    opts = ServeOptions(
+    given = {k: getattr(args, k) for k in PLACEMENT_FLAGS if getattr(args, k) is not None}
+    if args.plan is not None and given:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise ValueError(f"--plan sets the placement; drop {flags}")
+    return ServeOptions(
         model=args.model,
-        layout=args.layout,
-        engine=_engine_params(args),
-        prefill_instances=args.prefill_instances,
-        decode_instances=args.decode_instances,
-        colocated_instances=args.colocated_instances,
-        prefill_cores=args.prefill_cores,
-        decode_cores=args.decode_cores,
-        colocated_cores=args.colocated_cores,
+        settings=_settings(args),
         lend_prefill_cores=args.lend_prefill_cores,
         server_cores=args.server_cores,
-        device=args.device,
-        prefill_gpus=args.prefill_gpus,
-        decode_gpus=args.decode_gpus,
-        colocated_gpus=args.colocated_gpus,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         host=args.host,
-        repo_dir=args.repo_dir,
         plan=args.plan,
+        **given,
     )
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Checks every setting before anything starts: a bad one exits with status 2, naming it."""
+    from splitserve.deploy.serve import build_spec, serve_forever
+
+    try:
+        spec = build_spec(serve_options(args))
+    except ValueError as exc:
+        args.parser.exit(2, f"splitserve serve: error: {exc}\n")
+    args.model = spec.model
+    args.layout = spec.layout
+    args.max_model_len = spec.settings.get("max_model_len")
     if args.openai_port is None:
-        serve_forever(opts)
+        serve_forever(spec, args.repo_dir)
         return
     frontend_opts = _frontend_beside(args)
-    serve_forever(opts, lambda _server: _start_frontend(frontend_opts))
+    serve_forever(spec, args.repo_dir, lambda _server: _start_frontend(frontend_opts))
 
 
 def cmd_openai(args: argparse.Namespace) -> None:
@@ -216,7 +194,7 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
         "--openai-port", type=int, help="also serve the OpenAI-compatible API on this port"
     )
     add_frontend_arguments(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, parser=s)
 
     o = sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of a Triton server")
     add_openai_arguments(o)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.kv.layout import DTYPES
+DTYPES = ("float32", "bfloat16", "float16")
+"""Weight, activation and KV dtypes the engine runs in (torch dtype names)."""
 
 
 @dataclass(frozen=True)

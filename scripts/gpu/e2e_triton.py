@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 from splitserve.deploy.launcher import free_ports
-from splitserve.deploy.serve import ServeOptions, start_server
+from splitserve.deploy.serve import ServeOptions, build_spec, start_server
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
         metrics_port=metrics,
         host="127.0.0.1",
     )
-    server = start_server(opts)
+    server = start_server(build_spec(opts))
     result: dict[str, object] = {"ok": False}
     try:
         body = json.dumps(

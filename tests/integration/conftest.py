@@ -22,13 +22,8 @@ from splitserve.deploy.launcher import (
     libpython_dir,
 )
 from splitserve.deploy.process_group import live_group_members
-from splitserve.deploy.render import (
-    Layout,
-    default_cpu_layout,
-    default_server_cores,
-    lend_prefill_cores,
-    render,
-)
+from splitserve.deploy.render import render
+from splitserve.deploy.spec import DeploymentSpec, default_cpu_spec, server_cores
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.testing.checkpoints import write_random_checkpoint
 from splitserve.transport.key import generate_key, key_environ
@@ -129,12 +124,12 @@ def splitserve_server(
     On teardown, after the server stopped: its KV pool segments are gone from ``/dev/shm`` and no
     Python traceback reached its log.
     """
-    layout = default_cpu_layout("both", {"model": str(serve_ckpt), **SERVE_ENGINE})
-    prefill = replace(layout.prefill, params={"lease_ttl_s": str(LEASE_TTL_S)})
     # As `splitserve serve` deploys it: prefill lends its core to decode between passes.
-    lock = str(tmp_path_factory.mktemp("core_lock") / "core.lock")
-    layout = lend_prefill_cores(replace(layout, prefill=prefill), lock)
-    repo = render(layout, tmp_path_factory.mktemp("splitserve_repo"))
+    spec = default_cpu_spec(
+        "both", {"model": str(serve_ckpt), **SERVE_ENGINE}, lend_prefill_cores=True
+    )
+    spec = replace(spec, prefill=replace(spec.prefill, settings={"lease_ttl_s": LEASE_TTL_S}))
+    repo = render(spec, tmp_path_factory.mktemp("splitserve_repo"))
     http_port, grpc_port, metrics_port = free_ports(3)
     server = TritonServer(
         repo,
@@ -147,7 +142,7 @@ def splitserve_server(
         install=triton_install,
         env=key_environ(handle_key),
         # As `splitserve serve` deploys it: the server's own threads on the prefill core.
-        server_cores=default_server_cores(layout),
+        server_cores=server_cores(spec),
     )
     server.start(START_TIMEOUT_S)
     try:
@@ -165,15 +160,15 @@ def splitserve_server(
 @pytest.fixture
 def start_splitserve(
     triton_install: TritonInstall, tmp_path: Path
-) -> Iterator[Callable[[Layout], TritonServer]]:
+) -> Iterator[Callable[[DeploymentSpec], TritonServer]]:
     """Factory of servers of this test only, on the built-in tiny model; stopped at teardown."""
     started: list[TritonServer] = []
 
-    def start(layout: Layout) -> TritonServer:
+    def start(spec: DeploymentSpec) -> TritonServer:
         n = len(started)
         http_port, grpc_port, metrics_port = free_ports(3)
         server = TritonServer(
-            render(layout, tmp_path / f"repo{n}"),
+            render(spec, tmp_path / f"repo{n}"),
             http_port=http_port,
             grpc_port=grpc_port,
             metrics_port=metrics_port,

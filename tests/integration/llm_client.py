@@ -33,7 +33,7 @@ Tensors = Mapping[str, tuple[np.ndarray, str]]
 # Settings of the session's splitserve server (conftest.splitserve_server).
 MAX_MODEL_LEN = 4096
 """Long enough that a stream the tests cancel would otherwise run for seconds."""
-SERVE_ENGINE = {"max_model_len": str(MAX_MODEL_LEN), "num_kv_blocks": "1024"}
+SERVE_ENGINE = {"max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 1024}
 LEASE_TTL_S = 2.0
 """Prefill's lease lifetime in the splitserve server, short so that an unpulled lease expires
 within a test."""

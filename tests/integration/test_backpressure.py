@@ -13,16 +13,16 @@ import pytest
 from llm_client import gauges, post, wait_for
 
 from splitserve.deploy.launcher import TritonServer
-from splitserve.deploy.render import Layout, RoleSpec
+from splitserve.deploy.spec import DeploymentSpec, RoleSpec
 
 pytestmark = pytest.mark.triton
 
 MAX_QUEUE = 4
 MAX_TOKENS = 240
 """With the prompt, 16 of the 32 blocks of 16 tokens: two such requests fill a pool."""
-ENGINE = {"model": "tiny", "max_model_len": "256", "num_kv_blocks": "32"}
-BOUNDED = RoleSpec(params={"max_queue": str(MAX_QUEUE)})
-LAYOUT = Layout(layout="both", engine=ENGINE, decode=BOUNDED, colocated=BOUNDED)
+ENGINE = {"model": "tiny", "max_model_len": 256, "num_kv_blocks": 32}
+BOUNDED = RoleSpec(settings={"max_queue": MAX_QUEUE})
+LAYOUT = DeploymentSpec(layout="both", settings=ENGINE, decode=BOUNDED, colocated=BOUNDED)
 BODY = {"text_input": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
 DEADLINE_S = 120.0
 
@@ -58,7 +58,7 @@ def idle(server: TritonServer, model: str) -> Callable[[], bool]:
 
 
 def test_requests_wait_for_blocks_then_the_queue_bound_refuses(
-    start_splitserve: Callable[[Layout], TritonServer],
+    start_splitserve: Callable[[DeploymentSpec], TritonServer],
 ) -> None:
     server = start_splitserve(LAYOUT)
     for model in ("llm", "llm_colocated"):

@@ -34,13 +34,13 @@ from tritonclient.grpc import InferInput
 
 from splitserve.deploy.launcher import TritonServer, free_port
 from splitserve.deploy.process_group import live_group_members, stub_shm_regions
-from splitserve.deploy.render import Layout, RoleSpec
+from splitserve.deploy.spec import DeploymentSpec, RoleSpec
 
 pytestmark = pytest.mark.triton
 
 LEASE_TTL_S = 2.0
-ENGINE = {"model": "tiny", "max_model_len": "2048", "num_kv_blocks": "512"}
-SHORT_LEASES = RoleSpec(params={"lease_ttl_s": str(LEASE_TTL_S)})
+ENGINE = {"model": "tiny", "max_model_len": 2048, "num_kv_blocks": 512}
+SHORT_LEASES = RoleSpec(settings={"lease_ttl_s": LEASE_TTL_S})
 LONG = {"temperature": 0.0, "max_tokens": 1500, "ignore_eos": True}
 FAIL_FAST_S = 5.0
 CLEAN_STOP_S = 8.0
@@ -102,9 +102,9 @@ def server_files(server: TritonServer) -> tuple[list[int], list[os.PathLike[str]
 
 
 def test_killed_decode_stub_fails_fast_and_its_leases_expire(
-    start_splitserve: Callable[[Layout], TritonServer],
+    start_splitserve: Callable[[DeploymentSpec], TritonServer],
 ) -> None:
-    server = start_splitserve(Layout(layout="disagg", engine=ENGINE, prefill=SHORT_LEASES))
+    server = start_splitserve(DeploymentSpec(layout="disagg", settings=ENGINE, prefill=SHORT_LEASES))
     pids, regions = server_files(server)
     streams = start_streams(server, "llm", 3)
     os.kill(stub_pid(server, "llm_0_0"), signal.SIGKILL)
@@ -127,9 +127,9 @@ def test_killed_decode_stub_fails_fast_and_its_leases_expire(
 
 
 def test_killed_prefill_stub_lets_streams_finish_and_fails_new_requests(
-    start_splitserve: Callable[[Layout], TritonServer],
+    start_splitserve: Callable[[DeploymentSpec], TritonServer],
 ) -> None:
-    server = start_splitserve(Layout(layout="disagg", engine=ENGINE))
+    server = start_splitserve(DeploymentSpec(layout="disagg", settings=ENGINE))
     pids, regions = server_files(server)
     streams = start_streams(server, "llm", 2)
     os.kill(stub_pid(server, "prefill_0_0"), signal.SIGKILL)
@@ -149,9 +149,9 @@ def test_killed_prefill_stub_lets_streams_finish_and_fails_new_requests(
 
 
 def test_shutdown_under_load_ends_every_stream_and_stops_cleanly(
-    start_splitserve: Callable[[Layout], TritonServer],
+    start_splitserve: Callable[[DeploymentSpec], TritonServer],
 ) -> None:
-    server = start_splitserve(Layout(layout="both", engine=ENGINE))
+    server = start_splitserve(DeploymentSpec(layout="both", settings=ENGINE))
     pids, regions = server_files(server)
     streams = start_streams(server, "llm", 4) + start_streams(server, "llm_colocated", 4)
     endings: list[str] = []

@@ -18,7 +18,7 @@ from checkpoints import LLAMA32_SETTINGS
 from llm_client import samples
 
 from splitserve.deploy.launcher import TritonServer, free_ports
-from splitserve.deploy.serve import ServeOptions, start_server
+from splitserve.deploy.serve import ServeOptions, build_spec, start_server
 from splitserve.testing.checkpoints import write_random_checkpoint
 from splitserve_tools.bench.prompts import exact_prompts, load_bench_tokenizer
 from splitserve_tools.bench.serial import groups, median_tpot, take_turns
@@ -108,14 +108,13 @@ def test_llm_decodes_as_fast_as_colocated_at_light_load(name: str, tmp_path: Pat
     http_port, grpc_port, metrics_port = free_ports(3)
     opts = ServeOptions(
         model=str(ckpt),
-        engine={"dtype": dtype, "max_model_len": "512"},
+        settings={"dtype": dtype, "max_model_len": "512"},
         http_port=http_port,
         grpc_port=grpc_port,
         metrics_port=metrics_port,
         host="127.0.0.1",
-        repo_dir=tmp_path / "repo",
     )
-    server = start_server(opts)
+    server = start_server(build_spec(opts), tmp_path / "repo")
     try:
         tpot = asyncio.run(light_load(server.grpc_url, ckpt))
         counts = engine_counts(server)

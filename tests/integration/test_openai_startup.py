@@ -25,7 +25,7 @@ import pytest
 from test_openai_api import NAME, PROMPT, base_url, http, start_frontend
 
 from splitserve.deploy.launcher import TritonServer, free_ports
-from splitserve.deploy.render import Layout
+from splitserve.deploy.spec import DeploymentSpec
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -189,8 +189,8 @@ def test_health_stays_200_under_a_burst(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def tiny_server(start_splitserve: Callable[[Layout], TritonServer]) -> TritonServer:
-    return start_splitserve(Layout(layout="colocated"))
+def tiny_server(start_splitserve: Callable[[DeploymentSpec], TritonServer]) -> TritonServer:
+    return start_splitserve(DeploymentSpec(layout="colocated"))
 
 
 def test_health_rides_out_a_stalled_triton_and_turns_503_once_it_is_gone(

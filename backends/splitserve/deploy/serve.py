@@ -1,39 +1,44 @@
-"""``splitserve serve``: render a repository for a layout, start tritonserver, wait for a signal."""
+"""``splitserve serve``: build the deployment spec, render its repository, start tritonserver,
+wait for a signal."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import signal
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from splitserve.deploy.launcher import TritonServer
-from splitserve.deploy.render import (
-    LAYOUTS,
-    Layout,
+from splitserve.deploy.render import render
+from splitserve.deploy.spec import (
+    DeploymentSpec,
     RoleSpec,
-    default_cpu_layout,
-    default_gpu_layout,
-    default_server_cores,
-    lend_prefill_cores,
-    lending_refusal,
+    default_cpu_spec,
+    default_gpu_spec,
     parse_gpus,
-    render,
+    server_cores,
+    setting_from_text,
 )
-from splitserve.serving.affinity import parse_cores
 
 log = logging.getLogger(__name__)
+SHELL_SPECIAL = re.compile(r"[\s'\"\\$`!*?&;|<>(){}\[\]#]")
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model: str = "tiny"
+    """What ``splitserve serve``'s flags say, before ``build_spec`` checks and types it."""
+
+    model: str | None = None
+    """A checkpoint directory or ``tiny``; default: the plan's model, else ``tiny``."""
     layout: str = "both"
-    engine: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)
+    """Engine and serving settings as the command line spells them (``--param``, ``--dtype``)."""
     prefill_instances: int = 1
     decode_instances: int = 1
     colocated_instances: int = 1
@@ -41,7 +46,6 @@ class ServeOptions:
     decode_cores: str | None = None
     colocated_cores: str | None = None
     device: str = "cpu"
-    """``cpu`` (KIND_CPU, shm handoff) or ``gpu`` (KIND_GPU, CUDA IPC handoff)."""
     prefill_gpus: str | None = None
     """GPU ids (``"0"``, ``"0,1"``, ``"0-3"``); the ``*_instances`` counts are per GPU."""
     decode_gpus: str | None = None
@@ -50,40 +54,58 @@ class ServeOptions:
     grpc_port: int = 8001
     metrics_port: int = 8002
     host: str = "0.0.0.0"
-    repo_dir: Path | None = None
     thread_pool_size: int = 128
     lend_prefill_cores: bool | None = None
-    """Decode also steps on the prefill cores while prefill is idle (``serving.core_lend``):
-    True requires it (CPU, one prefill and one decode instance on disjoint cores), False turns
-    it off, None (default) lends wherever the layout allows."""
     server_cores: str | None = None
-    """Cores for tritonserver's own threads (front ends, backend threads), e.g. ``"0"``; ``all``
-    leaves them anywhere; None (default) puts them on the prefill cores of a CPU layout
-    (``render.default_server_cores``)."""
     plan: Path | None = None
-    """A ``plan.json`` from ``splitserve plan search``: it sets the layout, placement and batching
-    limits; ``model`` and ``engine`` still apply (they override the plan's)."""
+    """A ``plan.json`` from ``splitserve plan search``: its deployment sets the layout,
+    placement and batching limits; ``model`` and ``settings`` still apply over it."""
 
 
-def layout_from_plan(opts: ServeOptions) -> Layout:
-    from splitserve_tools.planner.plan import Plan
+def typed_settings(raw: dict[str, str]) -> dict[str, Any]:
+    return {key: setting_from_text(key, value) for key, value in raw.items()}
 
+
+def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
     assert opts.plan is not None
-    layout = Plan.load(opts.plan).to_layout(opts.model)
-    return replace(layout, engine={**layout.engine, **opts.engine})
+    data = json.loads(Path(opts.plan).read_text())
+    if "deployment" not in data:
+        raise ValueError(
+            f"{opts.plan} has no deployment: write it again with `splitserve plan search`"
+        )
+    spec = DeploymentSpec.from_dict(data["deployment"], where=f"{opts.plan}: deployment")
+    model = {"model": opts.model} if opts.model else {}
+    return replace(
+        spec,
+        settings={**spec.settings, **model, **typed_settings(opts.settings)},
+        **_serving_fields(opts),
+    )
 
 
-def build_layout(opts: ServeOptions) -> Layout:
+def _serving_fields(opts: ServeOptions) -> dict[str, Any]:
+    return {
+        "lend_prefill_cores": opts.lend_prefill_cores,
+        "server_cores": opts.server_cores,
+        "host": opts.host,
+        "http_port": opts.http_port,
+        "grpc_port": opts.grpc_port,
+        "metrics_port": opts.metrics_port,
+        "thread_pool_size": opts.thread_pool_size,
+    }
+
+
+def build_spec(opts: ServeOptions) -> DeploymentSpec:
+    """The checked deployment spec of ``opts``; ValueError naming what is wrong."""
     if opts.plan is not None:
-        return layout_from_plan(opts)
-    engine = {"model": opts.model, **opts.engine}
+        return spec_from_plan(opts)
+    settings = {"model": opts.model or "tiny", **typed_settings(opts.settings)}
     if opts.device == "gpu":
         core_flags = (opts.prefill_cores, opts.decode_cores, opts.colocated_cores)
         if any(flag is not None for flag in core_flags):
             raise ValueError("core sets apply to --device cpu; GPU instances take GPU ids")
-        base = default_gpu_layout(
+        base = default_gpu_spec(
             opts.layout,
-            engine,
+            settings,
             parse_gpus(opts.prefill_gpus or "0"),
             parse_gpus(opts.decode_gpus or "0"),
             parse_gpus(opts.colocated_gpus) if opts.colocated_gpus else None,
@@ -92,7 +114,7 @@ def build_layout(opts: ServeOptions) -> Layout:
         gpu_flags = (opts.prefill_gpus, opts.decode_gpus, opts.colocated_gpus)
         if any(flag is not None for flag in gpu_flags):
             raise ValueError("GPU ids need --device gpu")
-        base = default_cpu_layout(opts.layout, engine)
+        base = default_cpu_spec(opts.layout, settings)
     else:
         raise ValueError(f"device must be 'cpu' or 'gpu', got {opts.device!r}")
 
@@ -106,10 +128,11 @@ def build_layout(opts: ServeOptions) -> Layout:
         prefill=role(base.prefill, opts.prefill_instances, opts.prefill_cores),
         decode=role(base.decode, opts.decode_instances, opts.decode_cores),
         colocated=role(base.colocated, opts.colocated_instances, opts.colocated_cores),
+        **_serving_fields(opts),
     )
 
 
-def check_gpu_layout(layout: Layout) -> None:
+def check_gpus(spec: DeploymentSpec) -> None:
     """Fail early, with the reason, when the layout's GPUs do not exist or when a decode GPU
     cannot map a prefill GPU's memory (CUDA IPC between two GPUs needs peer access)."""
     import torch
@@ -118,14 +141,14 @@ def check_gpu_layout(layout: Layout) -> None:
         log.warning("cannot check the GPU layout here: torch sees no CUDA device")
         return
     count = torch.cuda.device_count()
-    used = {g for name in ("prefill", "decode", "colocated") for g in layout.role(name).gpus}
+    used = {g for name in ("prefill", "decode", "colocated") for g in spec.role(name).gpus}
     missing = sorted(g for g in used if g >= count)
     if missing:
         raise ValueError(f"GPUs {missing} do not exist here ({count} visible)")
-    if "prefill" not in LAYOUTS[layout.layout]:
+    if "prefill" not in spec.models:
         return
-    for decode in layout.decode.gpus:
-        for prefill in layout.prefill.gpus:
+    for decode in spec.decode.gpus:
+        for prefill in spec.prefill.gpus:
             if decode != prefill and not torch.cuda.can_device_access_peer(decode, prefill):
                 raise ValueError(
                     f"decode GPU {decode} has no peer access to prefill GPU {prefill}, which "
@@ -142,34 +165,36 @@ def prepare_cpu_kernels() -> None:
     splitserve_kernels.prepare("cpu")
 
 
-def server_cores(opts: ServeOptions, layout: Layout) -> set[int] | None:
-    if opts.server_cores is None:
-        return default_server_cores(layout)
-    if opts.server_cores == "all":
-        return None
-    return parse_cores(opts.server_cores)
+def check_paths(spec: DeploymentSpec, repo: Path) -> None:
+    """Refuses paths the Python backend's stubs cannot use: it starts them through an unquoted
+    shell command line, and their embedded Python encodes file names as ASCII."""
+    if SHELL_SPECIAL.search(str(repo.resolve())) or not str(repo.resolve()).isascii():
+        raise ValueError(
+            f"tritonserver cannot run models from {str(repo)!r}: pick an ASCII repository path "
+            "without whitespace, quotes, backslashes or other shell metacharacters"
+        )
+    if not spec.model.isascii():
+        raise ValueError(f"the model's stubs cannot open {spec.model!r}: use an ASCII path")
 
 
-def start_server(opts: ServeOptions) -> TritonServer:
-    repo = opts.repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
-    layout = build_layout(opts)
-    if opts.lend_prefill_cores or (
-        opts.lend_prefill_cores is None and lending_refusal(layout) is None
-    ):
-        layout = lend_prefill_cores(layout, str(repo / "core.lock"))
-    if layout.device == "gpu":
-        check_gpu_layout(layout)
+def start_server(spec: DeploymentSpec, repo_dir: Path | None = None) -> TritonServer:
+    """Render ``spec`` into ``repo_dir`` (a new temporary directory by default) and start
+    tritonserver on it."""
+    repo = repo_dir or Path(tempfile.mkdtemp(prefix="splitserve-repo-"))
+    check_paths(spec, repo)
+    if spec.device == "gpu":
+        check_gpus(spec)
     else:
         prepare_cpu_kernels()
-    render(layout, repo)
+    render(spec, repo)
     server = TritonServer(
         repo,
-        http_port=opts.http_port,
-        grpc_port=opts.grpc_port,
-        metrics_port=opts.metrics_port,
-        host=opts.host,
-        backend_config={"python": {"thread-pool-size": opts.thread_pool_size}},
-        server_cores=server_cores(opts, layout),
+        http_port=spec.http_port,
+        grpc_port=spec.grpc_port,
+        metrics_port=spec.metrics_port,
+        host=spec.host,
+        backend_config={"python": {"thread-pool-size": spec.thread_pool_size}},
+        server_cores=server_cores(spec),
     )
     return server.start()
 
@@ -187,25 +212,27 @@ CompanionFactory = Callable[[TritonServer], Companion]
 """Starts a companion for a server that is up."""
 
 
-def serve_forever(opts: ServeOptions, companion: CompanionFactory | None = None) -> None:
+def serve_forever(
+    spec: DeploymentSpec,
+    repo_dir: Path | None = None,
+    companion: CompanionFactory | None = None,
+) -> None:
     """Run until SIGINT/SIGTERM, then stop the server (and its stubs) cleanly.
 
     ``companion`` starts only once tritonserver is ready, so that nothing of it (a gRPC client
     and its threads) exists in this process while the server is spawned; at shutdown it is told
     first, and stopped last, so that its streams end with the drain's error.
     """
-    if opts.repo_dir is None:
+    if repo_dir is None:
         with tempfile.TemporaryDirectory(prefix="splitserve-repo-") as tmp:
-            serve_forever(replace(opts, repo_dir=Path(tmp)), companion)
+            serve_forever(spec, Path(tmp), companion)
         return
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    layout = build_layout(opts)
-    server = start_server(opts)
-    models = ", ".join(LAYOUTS[layout.layout])
-    source = f", plan {opts.plan}" if opts.plan else ""
-    print(f"splitserve: serving {opts.model!r} ({layout.layout}: {models}{source})", flush=True)
+    server = start_server(spec, repo_dir)
+    models = ", ".join(spec.models)
+    print(f"splitserve: serving {spec.model!r} ({spec.layout}: {models})", flush=True)
     print(f"  HTTP     {server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
     print(f"  gRPC     {server.grpc_url}", flush=True)
     print(f"  metrics  {server.metrics_url}", flush=True)

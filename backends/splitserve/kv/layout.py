@@ -18,11 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+from splitserve.engine_config import DTYPES as DTYPE_NAMES
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -14,10 +14,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.engine_config import EngineConfig
 from splitserve.openai.chat_template import ChatTemplate
 from splitserve.openai.errors import bad_request
 from splitserve.openai.options import OpenAIOptions
 from splitserve.openai.triton_bridge import TritonBridge
+from splitserve.serving.serving_config import CONFIG_PARAMETER, ServingConfig
 from splitserve.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -81,15 +83,17 @@ class ServedModel:
 
     async def _resolve(self) -> ModelInfo:
         opts = self._options
-        params: dict[str, str] = {}
+        engine: EngineConfig | None = None
         if opts.model_dir is None or opts.max_model_len is None:
             params = await self._bridge.model_parameters(self.triton_model)
+            if CONFIG_PARAMETER in params:
+                engine = ServingConfig.from_json(params[CONFIG_PARAMETER]).engine
         model_dir = opts.model_dir
-        if model_dir is None and params.get("model") and Path(params["model"]).is_dir():
-            model_dir = Path(params["model"])
+        if model_dir is None and engine is not None and Path(engine.model).is_dir():
+            model_dir = Path(engine.model)
         max_len = opts.max_model_len
-        if max_len is None and params.get("max_model_len"):
-            max_len = int(params["max_model_len"])
+        if max_len is None and engine is not None:
+            max_len = engine.max_model_len
         if max_len is None:
             max_len = _context_length(model_dir)
         return await asyncio.to_thread(build_info, model_dir, max_len, opts.chat_template)

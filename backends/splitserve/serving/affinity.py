@@ -29,21 +29,25 @@ def format_cores(cores: Iterable[int]) -> str:
     return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ranges)
 
 
-def parse_cores(spec: str) -> set[int]:
-    """``"0-2,5"`` -> ``{0, 1, 2, 5}``; raises ValueError naming ``spec`` when unreadable."""
-    cores: set[int] = set()
+def parse_ranges(spec: str, noun: str) -> set[int]:
+    """``"0-2,5"`` -> ``{0, 1, 2, 5}`` (core or GPU ids); ValueError naming ``spec``."""
+    ids: set[int] = set()
     for item in filter(None, (part.strip() for part in spec.split(","))):
         lo, _, hi = item.partition("-")
         try:
             first, last = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"cannot read cores {spec!r} (e.g. '0', '0,2' or '0-3')") from None
+            raise ValueError(f"cannot read {noun} {spec!r} (e.g. '0', '0,2' or '0-3')") from None
         if first < 0 or last < first:
-            raise ValueError(f"bad core range {item!r} in {spec!r}")
-        cores.update(range(first, last + 1))
-    if not cores:
-        raise ValueError(f"no cores in {spec!r}")
-    return cores
+            raise ValueError(f"bad range {item!r} of {noun} in {spec!r}")
+        ids.update(range(first, last + 1))
+    if not ids:
+        raise ValueError(f"no {noun} in {spec!r}")
+    return ids
+
+
+def parse_cores(spec: str) -> set[int]:
+    return parse_ranges(spec, "cores")
 
 
 def allowed_cores(environ: Mapping[str, str] | None = None) -> set[int]:

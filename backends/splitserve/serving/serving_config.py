@@ -1,17 +1,20 @@
-"""Per-role serving configuration, built from the ``parameters`` of a Triton ``config.pbtxt``."""
+"""Per-role serving configuration: what one Triton model's stubs run with, rendered into its
+``config.pbtxt`` as one JSON parameter by ``splitserve.deploy``."""
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from splitserve.engine_config import EngineConfig
 from splitserve.serving.affinity import allowed_cores, parse_cores
+from splitserve.typed_values import build, to_mapping
 
 ROLES = ("prefill", "decode", "colocated")
+TRANSPORTS = ("shm", "cuda_ipc")
+CONFIG_PARAMETER = "splitserve_config"
+"""The ``config.pbtxt`` parameter that carries a model's ServingConfig as JSON."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         for name in ("lease_ttl_s", "default_max_tokens", "prefill_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -60,21 +65,17 @@ class ServingConfig:
         if len(parse_core_sets(self.lent_cores)) > 1:
             raise ValueError("lent_cores: one core set (the prefill instance's)")
 
+    def to_json(self) -> str:
+        """This config as the one JSON parameter a stub reads (``CONFIG_PARAMETER``)."""
+        return json.dumps(to_mapping(self), sort_keys=True)
+
     @classmethod
-    def from_parameters(cls, params: Mapping[str, str]) -> ServingConfig:
-        """Every key must be a field of this class or of EngineConfig; unknown keys are errors."""
-        own = {f.name: f for f in dataclasses.fields(cls) if f.name != "engine"}
-        eng = {f.name: f for f in dataclasses.fields(EngineConfig)}
-        own_kwargs: dict[str, Any] = {}
-        eng_kwargs: dict[str, Any] = {}
-        for key, raw in params.items():
-            if key in own:
-                own_kwargs[key] = _convert(key, raw, str(own[key].type))
-            elif key in eng:
-                eng_kwargs[key] = _convert(key, raw, str(eng[key].type))
-            else:
-                raise ValueError(f"unknown parameter {key!r} in config.pbtxt")
-        return cls(engine=EngineConfig(**eng_kwargs), **own_kwargs)
+    def from_json(cls, text: str) -> ServingConfig:
+        """The config a stub was rendered with; every key and value checked against its type."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{CONFIG_PARAMETER}: expected a JSON object")
+        return build(cls, data, where=CONFIG_PARAMETER, nested={"engine": EngineConfig})
 
     @property
     def lent_core_set(self) -> set[int]:
@@ -84,24 +85,6 @@ class ServingConfig:
     def cores_for(self, instance_index: int) -> set[int] | None:
         sets = parse_core_sets(self.cpu_cores)
         return sets[instance_index % len(sets)] if sets else None
-
-
-def _convert(key: str, raw: str, type_name: str) -> Any:
-    text = raw.strip()
-    if "None" in type_name and text.lower() in ("", "none"):
-        return None
-    try:
-        if type_name.startswith("int"):
-            return int(text)
-        if type_name.startswith("float"):
-            return float(text)
-        if type_name.startswith("bool"):
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1")
-    except ValueError:
-        raise ValueError(f"parameter {key!r}: cannot read {raw!r} as {type_name}") from None
-    return text
 
 
 def parse_core_sets(spec: str) -> list[set[int]]:

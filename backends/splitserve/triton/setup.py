@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from splitserve.serving.serving_config import ServingConfig, pin_to_cores
+from splitserve.serving.serving_config import CONFIG_PARAMETER, ServingConfig, pin_to_cores
 from splitserve.triton.tensors import instance_index, model_parameters
 
 
@@ -17,7 +17,9 @@ def setup_instance(args: dict[str, Any], role: str) -> ServingConfig:
         format=f"%(asctime)s {args['model_instance_name']} %(name)s: %(message)s",
     )
     params = model_parameters(json.loads(args["model_config"]))
-    cfg = ServingConfig.from_parameters({**params, "role": role})
+    cfg = ServingConfig.from_json(params[CONFIG_PARAMETER])
+    if cfg.role != role:
+        raise ValueError(f"{CONFIG_PARAMETER} is for the {cfg.role} role, not {role}")
     log = logging.getLogger("splitserve")
     name = args["model_instance_name"]
     if cfg.engine.device.startswith("cuda"):

@@ -9,5 +9,5 @@
 - ``instances``: the step model of a prefill pool and of an engine instance.
 - ``simulate``: discrete-event simulation of a placement under a workload.
 - ``search``: goodput by bisection over rate, enumeration and ranking of placements.
-- ``plan``: ``plan.json`` and its conversion to a deploy Layout.
+- ``plan``: ``plan.json`` and its conversion to a deployment spec.
 """

@@ -1,9 +1,10 @@
-"""``plan.json``: the chosen placement, what it was chosen for, and its deploy Layout.
+"""``plan.json``: the chosen placement, what it was chosen for, and its deployment spec.
 
 CPU instances get contiguous core sets in role order (prefill, then decode; colocated from core
 0); GPU instances get one GPU each in the same order. The engine parameters every role shares
-(model, dtype, max_model_len, kv_cache_bytes) go to ``Layout.engine``; the batching limits go
-where each role reads them.
+(model, dtype, max_model_len, kv_cache_bytes) go to the spec's settings; the batching limits go
+to the settings of the role that reads them. ``splitserve serve --plan`` reads the
+``deployment`` entry only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitserve.deploy.render import Layout, RoleSpec
+from splitserve.deploy.spec import DeploymentSpec, RoleSpec
 from splitserve_tools.planner.placement import Placement, Role
 
 FORMAT_VERSION = 1
@@ -48,6 +49,7 @@ class Plan:
             "placement": self.placement.to_dict(),
             "predicted_goodput_rps": self.predicted_goodput_rps,
             "context": self.context,
+            "deployment": self.to_spec().to_dict(),
         }
 
     @classmethod
@@ -72,23 +74,23 @@ class Plan:
     def load(cls, path: Path) -> Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
-    def to_layout(self, model: str | None = None) -> Layout:
-        """The deploy Layout of this plan (``model`` overrides the checkpoint path)."""
+    def to_spec(self, model: str | None = None) -> DeploymentSpec:
+        """The deployment spec of this plan (``model`` overrides the checkpoint path)."""
         pl = self.placement
         lim = pl.limits
-        engine = {
+        settings: dict[str, Any] = {
             "model": model or self.model,
             "dtype": self.dtype,
-            "max_model_len": str(self.max_model_len),
-            "kv_cache_bytes": str(lim.kv_cache_bytes),
+            "max_model_len": self.max_model_len,
+            "kv_cache_bytes": lim.kv_cache_bytes,
         }
-        params = {
+        params: dict[str, dict[str, Any]] = {
             "prefill": {},
-            "decode": {"max_num_seqs": str(lim.max_num_seqs)},
+            "decode": {"max_num_seqs": lim.max_num_seqs},
             "colocated": {
-                "max_num_seqs": str(lim.max_num_seqs),
-                "max_num_batched_tokens": str(lim.max_num_batched_tokens),
-                "chunked_prefill": str(lim.chunked_prefill).lower(),
+                "max_num_seqs": lim.max_num_seqs,
+                "max_num_batched_tokens": lim.max_num_batched_tokens,
+                "chunked_prefill": lim.chunked_prefill,
             },
         }
         specs: dict[str, RoleSpec] = {}
@@ -96,20 +98,20 @@ class Plan:
         for name, role in pl.roles().items():
             specs[name] = self._spec(role, start, params[name])
             start += role.devices
-        return Layout(
+        return DeploymentSpec(
             layout=pl.mode,
             device=self.device,
-            engine=engine,
+            settings=settings,
             prefill_max_batch_size=lim.prefill_max_batch_size,
             prefill_queue_delay_us=round(lim.prefill_queue_delay_s * 1e6),
             **specs,
         )
 
-    def _spec(self, role: Role, start: int, params: dict[str, str]) -> RoleSpec:
+    def _spec(self, role: Role, start: int, settings: dict[str, Any]) -> RoleSpec:
         if self.device == "gpu":
-            return RoleSpec(gpus=tuple(range(start, start + role.instances)), params=params)
+            return RoleSpec(gpus=tuple(range(start, start + role.instances)), settings=settings)
         sets = []
         for i in range(role.instances):
             lo = start + i * role.units
             sets.append(f"{lo}-{lo + role.units - 1}" if role.units > 1 else str(lo))
-        return RoleSpec(instances=role.instances, cpu_cores=";".join(sets), params=params)
+        return RoleSpec(instances=role.instances, cpu_cores=";".join(sets), settings=settings)

@@ -132,7 +132,7 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
         if args.render:
             from splitserve.deploy.render import render
 
-            render(plan.to_layout(), args.render)
+            render(plan.to_spec(), args.render)
             print(f"rendered the model repository into {args.render}")
 
 

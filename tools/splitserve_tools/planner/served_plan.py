@@ -39,7 +39,7 @@ def served(
     """Serve ``plan`` on loopback (output to ``log``); yields the gRPC address once ready."""
     ports = ports or Ports()
     cmd = [
-        sys.executable, "-m", "splitserve.cli", "serve", "--plan", str(plan),
+        sys.executable, "-m", "splitserve_tools.cli", "serve", "--plan", str(plan),
         "--host", "127.0.0.1", "--http-port", str(ports.http),
         "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics),
     ]  # fmt: skip

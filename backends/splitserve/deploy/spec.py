@@ -1,0 +1,260 @@
+"""The deployment spec: every setting of one Splitserve server in one typed, validated object.
+
+Layout, placement (instances, cores, GPUs), the engine and serving settings of every role,
+lending, ports. Defaults live in ``EngineConfig`` and ``ServingConfig`` only; a spec names what
+differs. Constructing one checks everything, including the ``ServingConfig`` each model's stubs
+will run with, so a bad value fails before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitserve.engine_config import EngineConfig
+from splitserve.serving.affinity import parse_ranges
+from splitserve.serving.serving_config import ServingConfig, parse_core_sets
+from splitserve.typed_values import (
+    check_value,
+    field_types,
+    value_from_text,
+    values_from_mapping,
+)
+
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "disagg": ("llm", "prefill"),
+    "colocated": ("llm_colocated",),
+    "both": ("llm", "prefill", "llm_colocated"),
+}
+ROLE_OF = {"llm": "decode", "prefill": "prefill", "llm_colocated": "colocated"}
+GPU_TRANSPORT = "cuda_ipc"
+PLACED = frozenset({"role", "engine", "cpu_cores", "core_lock", "lent_cores"})
+"""ServingConfig fields the spec derives from placement and lending, never set directly."""
+LOCK_NAME = "core.lock"
+
+
+def setting_types() -> dict[str, Any]:
+    """Every key a deployment may set (engine and serving fields) -> its declared type."""
+    serving = {k: v for k, v in field_types(ServingConfig).items() if k not in PLACED}
+    return {**field_types(EngineConfig), **serving}
+
+
+def setting_from_text(key: str, raw: str) -> Any:
+    """``--param KEY=VALUE``: the typed value, or ValueError naming the key and what it takes."""
+    types_of = setting_types()
+    if key not in types_of:
+        raise ValueError(f"unknown setting {key!r}; accepted: {', '.join(sorted(types_of))}")
+    section = EngineConfig if key in field_types(EngineConfig) else ServingConfig
+    return value_from_text(section, key, raw)
+
+
+def _check_settings(settings: Mapping[str, Any], where: str) -> None:
+    types_of = setting_types()
+    for key, value in settings.items():
+        if key not in types_of:
+            accepted = ", ".join(sorted(types_of))
+            raise ValueError(f"{where}: unknown setting {key!r}; accepted: {accepted}")
+        try:
+            check_value(types_of[key], value)
+        except ValueError:
+            raise ValueError(f"{where}: setting {key!r} cannot be {value!r}") from None
+
+
+def parse_gpus(spec: str) -> tuple[int, ...]:
+    """``"0"``, ``"0,1"`` or ``"0-3"`` -> sorted distinct GPU ids."""
+    return tuple(sorted(parse_ranges(spec, "GPU ids")))
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    instances: int = 1
+    """Instances of the role's model (on each listed GPU, for GPU layouts)."""
+    cpu_cores: str = ""
+    """Per-instance core sets, ``;``-separated (see ServingConfig.cpu_cores)."""
+    gpus: tuple[int, ...] = ()
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Engine and serving settings of this role only (over the spec's ``settings``)."""
+
+    def __post_init__(self) -> None:
+        if self.instances <= 0:
+            raise ValueError("instances must be positive")
+        if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
+            raise ValueError(f"GPU ids must be distinct and non-negative, got {list(self.gpus)}")
+        parse_core_sets(self.cpu_cores)
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    layout: str = "both"
+    device: str = "cpu"
+    """``cpu`` (KIND_CPU, shm handoff) or ``gpu`` (KIND_GPU, CUDA IPC handoff)."""
+    settings: Mapping[str, Any] = field(default_factory=lambda: {"model": "tiny"})
+    """Engine and serving settings every role gets (``model``, ``dtype``, ``max_queue``, ...)."""
+    prefill: RoleSpec = RoleSpec()
+    decode: RoleSpec = RoleSpec()
+    colocated: RoleSpec = RoleSpec()
+    prefill_max_batch_size: int = 8
+    prefill_queue_delay_us: int = 1000
+    lend_prefill_cores: bool | None = None
+    """Decode also steps on the prefill cores while prefill is idle (``serving.core_lend``):
+    True requires it (CPU, one prefill and one decode instance on disjoint cores), False turns
+    it off, None lends wherever the layout allows."""
+    server_cores: str | None = None
+    """Cores for tritonserver's own threads; ``all`` leaves them anywhere; None puts them on the
+    prefill cores of a CPU layout with prefill."""
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    thread_pool_size: int = 128
+    """The Python backend's thread pool (BLS calls and decoupled senders)."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.prefill_max_batch_size <= 0 or self.prefill_queue_delay_us < 0:
+            raise ValueError("prefill_max_batch_size must be positive, queue delay >= 0")
+        if self.server_cores not in (None, "all"):
+            parse_ranges(self.server_cores, "cores")
+        _check_settings(self.settings, "settings")
+        for model in self.models:
+            role = ROLE_OF[model]
+            spec = self.role(role)
+            _check_settings(spec.settings, f"{role}.settings")
+            if self.device == "gpu" and not spec.gpus:
+                raise ValueError(f"device 'gpu' needs GPU ids for the {role} role")
+            if self.device == "cpu" and spec.gpus:
+                raise ValueError(
+                    f"the {role} role lists GPUs {list(spec.gpus)} but device is 'cpu'"
+                )
+        if self.lend_prefill_cores and (refusal := lending_refusal(self)) is not None:
+            raise ValueError(refusal)
+        for model in self.models:
+            self.serving_config(model, Path("/"))
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return LAYOUTS[self.layout]
+
+    @property
+    def model(self) -> str:
+        return str(self.settings.get("model", EngineConfig.model))
+
+    def role(self, name: str) -> RoleSpec:
+        spec = getattr(self, name)
+        assert isinstance(spec, RoleSpec)
+        return spec
+
+    @property
+    def lends(self) -> bool:
+        if self.lend_prefill_cores is None:
+            return lending_refusal(self) is None
+        return self.lend_prefill_cores
+
+    def serving_config(self, model: str, repo_dir: Path) -> ServingConfig:
+        """What the stubs of ``model`` run with when the repository is rendered in ``repo_dir``
+        (the lending lock lives there)."""
+        role = ROLE_OF[model]
+        spec = self.role(role)
+        merged = {**self.settings, **spec.settings}
+        if self.device == "gpu":
+            merged["device"] = "cuda"
+            if role in ("prefill", "decode"):
+                merged.setdefault("transport", GPU_TRANSPORT)
+        engine_keys = field_types(EngineConfig)
+        engine = EngineConfig(**{k: v for k, v in merged.items() if k in engine_keys})
+        serving = {k: v for k, v in merged.items() if k not in engine_keys}
+        placed: dict[str, str] = {}
+        if self.device == "cpu" and spec.cpu_cores:
+            placed["cpu_cores"] = spec.cpu_cores
+        if self.lends and role in ("prefill", "decode"):
+            placed["core_lock"] = str(repo_dir / LOCK_NAME)
+            if role == "decode":
+                placed["lent_cores"] = self.prefill.cpu_cores
+        return ServingConfig(role=role, engine=engine, **serving, **placed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "deployment") -> DeploymentSpec:
+        roles = {"prefill": RoleSpec, "decode": RoleSpec, "colocated": RoleSpec}
+        return cls(**values_from_mapping(cls, data, where=where, nested=roles))
+
+
+def lending_refusal(spec: DeploymentSpec) -> str | None:
+    """Why the prefill instance of ``spec`` cannot lend its cores to decode, or None."""
+    if spec.device != "cpu" or "prefill" not in spec.models:
+        return "lending prefill cores needs a CPU layout with prefill and decode"
+    if spec.prefill.instances != 1 or spec.decode.instances != 1:
+        return "lending prefill cores needs one prefill and one decode instance"
+    prefill = parse_core_sets(spec.prefill.cpu_cores)
+    own = parse_core_sets(spec.decode.cpu_cores)
+    if len(prefill) != 1 or len(own) != 1 or prefill[0] & own[0]:
+        return (
+            "lending prefill cores needs one core set per role, with no core in both "
+            f"(prefill {spec.prefill.cpu_cores!r}, decode {spec.decode.cpu_cores!r})"
+        )
+    return None
+
+
+def server_cores(spec: DeploymentSpec) -> set[int] | None:
+    """Where tritonserver's own threads go: ``spec.server_cores``, or by default on CPUs the
+    prefill instances' cores, away from decode's engine threads, whose steps pace every stream
+    (TPOT); None (anywhere) for ``all``, GPU layouts and layouts without prefill."""
+    if spec.server_cores == "all":
+        return None
+    if spec.server_cores is not None:
+        return parse_ranges(spec.server_cores, "cores")
+    if spec.device != "cpu" or "prefill" not in spec.models:
+        return None
+    cores = set().union(*parse_core_sets(spec.prefill.cpu_cores))
+    return cores or None
+
+
+def default_cpu_spec(
+    layout: str, settings: Mapping[str, Any], cores: int | None = None, **fields: Any
+) -> DeploymentSpec:
+    """Prefill on the first half of the cores, decode on the rest, colocated on all of them."""
+    import os
+
+    n = cores or len(os.sched_getaffinity(0))
+    half = max(1, n // 2)
+    prefill = f"0-{half - 1}" if n > 1 else "0"
+    decode = f"{half}-{n - 1}" if n > 1 else "0"
+    return DeploymentSpec(
+        layout=layout,
+        settings=dict(settings),
+        prefill=RoleSpec(cpu_cores=prefill),
+        decode=RoleSpec(cpu_cores=decode),
+        colocated=RoleSpec(cpu_cores=f"0-{n - 1}"),
+        **fields,
+    )
+
+
+def default_gpu_spec(
+    layout: str,
+    settings: Mapping[str, Any],
+    prefill_gpus: tuple[int, ...] = (0,),
+    decode_gpus: tuple[int, ...] = (0,),
+    colocated_gpus: tuple[int, ...] | None = None,
+    **fields: Any,
+) -> DeploymentSpec:
+    """One instance per listed GPU and role; ``llm_colocated`` defaults to every GPU used.
+
+    Prefill and decode may share a GPU (two processes, KV still handed over by IPC)."""
+    colocated = colocated_gpus or tuple(sorted({*prefill_gpus, *decode_gpus}))
+    return DeploymentSpec(
+        layout=layout,
+        device="gpu",
+        settings=dict(settings),
+        prefill=RoleSpec(gpus=prefill_gpus),
+        decode=RoleSpec(gpus=decode_gpus),
+        colocated=RoleSpec(gpus=colocated),
+        **fields,
+    )
