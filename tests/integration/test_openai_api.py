@@ -6,18 +6,30 @@ sampling fields; error objects and status codes; a client that disconnects frees
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from llm_client import MAX_MODEL_LEN, Generation, GrpcStream, gauges, generate_inputs, wait_for
+from llm_client import (
+    MAX_MODEL_LEN,
+    Generation,
+    GrpcStream,
+    gauges,
+    generate_inputs,
+    stub_pid,
+    wait_for,
+)
 
 from splitserve.deploy.launcher import TritonServer, free_ports
+from splitserve.deploy.spec import DeploymentSpec
 from splitserve.openai.options import OpenAIOptions
 from splitserve.openai.server import BackgroundFrontend
 from splitserve.tokenizer import load_tokenizer
@@ -69,18 +81,19 @@ def frontend_dir(serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def start_frontend(
-    triton_url: str, triton_model: str, model_dir: Path | None
+    triton_url: str, triton_model: str, model_dir: Path | None, **options: Any
 ) -> BackgroundFrontend:
     (port,) = free_ports(1)
-    options = OpenAIOptions(
+    opts = OpenAIOptions(
         triton_url=triton_url,
         host="127.0.0.1",
         port=port,
         triton_model=triton_model,
         served_model_name=NAME,
         model_dir=model_dir,
+        **options,
     )
-    return BackgroundFrontend(options).start()
+    return BackgroundFrontend(opts).start()
 
 
 @pytest.fixture(scope="module", params=["llm", "llm_colocated"])
@@ -364,6 +377,35 @@ def test_disconnect_while_waiting_frees_blocks(
     assert wait_for(lambda: blocks_used(splitserve_server) == 0, CANCEL_STOP_S), gauges(
         splitserve_server
     )
+
+
+SILENT_S = 2.0
+
+
+def test_the_stream_of_a_killed_stub_ends_with_an_error(
+    start_splitserve: Callable[[DeploymentSpec], TritonServer],
+) -> None:
+    """Triton 2.51 leaves the streams of a dead stub open; ``--stream-idle-timeout`` ends them."""
+    settings = {"model": "tiny", "max_model_len": 2048}
+    server = start_splitserve(DeploymentSpec(layout="disagg", settings=settings))
+    running = start_frontend(server.grpc_url, "llm", None, stream_idle_timeout=SILENT_S)
+    try:
+        client = openai.OpenAI(base_url=base_url(running), api_key="unused", max_retries=0)
+        long = {"max_tokens": 1500, "temperature": 0.0, "extra_body": IGNORE_EOS}
+        chunks = iter(client.completions.create(model=NAME, prompt=PROMPT, stream=True, **long))
+        assert all(next(chunks).choices for _ in range(3))
+        os.kill(stub_pid(server, "llm_0_0"), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            for _ in chunks:
+                pass
+        waited = time.monotonic() - killed
+        if not server.is_alive():
+            pytest.skip("tritonserver aborted on the killed stub (see test_faults.TRITON_ABORT)")
+        assert isinstance(info.value.body, dict) and info.value.body["code"] == "triton_timeout"
+        assert waited < SILENT_S + 5.0
+    finally:
+        running.stop()
 
 
 def test_splitserve_bench_targets_it(

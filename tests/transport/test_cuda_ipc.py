@@ -13,7 +13,7 @@ import torch
 from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
-from splitserve.transport import get_transport
+from splitserve.transport import cleanup, get_transport
 from splitserve.transport.cuda_ipc import (
     IPC_HANDLE_SIZE,
     CudaIpcTransport,
@@ -172,7 +172,8 @@ def test_info_file_is_private_and_a_closed_owner_is_gone(reader):
     own.register(pool)
     handle = own.export("req", pool.allocator.allocate(1), 1)
     path = own.info_path
-    assert path is not None and path.name.startswith(f"splitserve-{os.getpid()}-")
+    owner = f"splitserve-{cleanup.pid_namespace()}-{os.getpid()}-"
+    assert path is not None and path.name.startswith(owner)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     rd.fetch(handle, [0])
     own.close()

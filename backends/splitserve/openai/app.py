@@ -78,6 +78,7 @@ def create_app(options: OpenAIOptions) -> FastAPI:
 
     app = FastAPI(title="Splitserve OpenAI-compatible API", lifespan=lifespan)
     app.state.readiness = readiness
+    app.state.idle_timeout = options.stream_idle_timeout or None
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)

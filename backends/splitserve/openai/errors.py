@@ -64,6 +64,20 @@ def triton_unavailable(url: str, detail: str) -> APIError:
     )
 
 
+def triton_silent(idle_s: float) -> APIError:
+    """A request whose Triton stream went silent (a model instance died, Triton hung).
+
+    504, not 503: the frontend is a gateway whose upstream stopped answering mid-request, which
+    is what proxies answer for an upstream timeout; 503 stays the answer for a Triton that is
+    down or full before the request started. OpenAI's SDKs retry both.
+    """
+    return APIError(
+        f"Triton sent nothing for {idle_s:g} s; the request was cancelled",
+        HTTPStatus.GATEWAY_TIMEOUT,
+        code="triton_timeout",
+    )
+
+
 SERVER_ERROR_MARKERS = ("internal error", "prefill failed")
 UNAVAILABLE_MARKERS = (
     "kv pool is full",

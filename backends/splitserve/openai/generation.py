@@ -1,7 +1,13 @@
-"""Runs one request against Triton and answers it: one JSON body, or a stream of SSE chunks."""
+"""Runs one request against Triton and answers it: one JSON body, or a stream of SSE chunks.
+
+A Triton stream silent for longer than the request's ``idle_timeout`` fails it (Triton leaves
+the streams of a dead model instance open) and is cancelled.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -10,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from splitserve.openai.errors import APIError
+from splitserve.openai.errors import APIError, triton_silent
 from splitserve.openai.responses import Shape, finish_reason, usage
 from splitserve.openai.sse import (
     DONE,
@@ -20,6 +26,8 @@ from splitserve.openai.sse import (
     unless_disconnected,
 )
 from splitserve.openai.triton_bridge import Chunk, TritonBridge
+
+log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499
 """Status logged for a request whose client went away (nobody reads the answer)."""
@@ -37,10 +45,17 @@ class Job:
     include_usage: bool = False
     prefix: str = ""
     """Text put before the generated text (``echo``)."""
+    idle_timeout: float | None = None
+    """Seconds the Triton stream may stay silent before the request fails; None: no limit."""
 
 
 async def answer(request: Request, bridge: TritonBridge, job: Job) -> Response:
-    chunks = bridge.generate(job.triton_model, job.prompt, job.sampling, job.stream)
+    # With a deadline, a non-streaming request streams from Triton too and the text is joined
+    # here: silence then means a stalled server, not a long answer.
+    triton_stream = job.stream or job.idle_timeout is not None
+    chunks = bridge.generate(job.triton_model, job.prompt, job.sampling, triton_stream)
+    if job.idle_timeout is not None:
+        chunks = _until_silent(chunks, job.idle_timeout)
     try:
         if not job.stream:
             async with aclosing(chunks):
@@ -54,6 +69,23 @@ async def answer(request: Request, bridge: TritonBridge, job: Job) -> Response:
         await chunks.aclose()
         raise
     return EventStream(_events(first, chunks, job))
+
+
+async def _until_silent(chunks: AsyncIterator[Chunk], idle_s: float) -> AsyncIterator[Chunk]:
+    """``chunks``, until the next one takes over ``idle_s``: then the wait for it is cancelled,
+    which closes the Triton stream and so cancels the request, and a 504 ``APIError`` is raised.
+    """
+    async with aclosing(chunks):
+        while True:
+            try:
+                async with asyncio.timeout(idle_s):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                log.warning("Triton stream silent for %g s; request cancelled", idle_s)
+                raise triton_silent(idle_s) from None
+            yield chunk
 
 
 async def _body(chunks: AsyncIterator[Chunk], job: Job) -> dict[str, Any]:

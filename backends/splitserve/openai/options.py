@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,9 @@ class OpenAIOptions:
     max_model_len: int | None = None
     chat_template: str | None = None
     log_level: str = "warning"
+    stream_idle_timeout: float = 60.0
+    """Seconds the Triton stream of a request may stay silent before the request fails; 0: no
+    limit."""
 
     @property
     def model_name(self) -> str:
@@ -26,6 +30,13 @@ class OpenAIOptions:
         if self.served_model_name:
             return self.served_model_name
         return self.model_dir.name if self.model_dir else self.triton_model
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 def add_frontend_arguments(ap: argparse.ArgumentParser) -> None:
@@ -39,6 +50,14 @@ def add_frontend_arguments(ap: argparse.ArgumentParser) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (info logs every request)",
+    )
+    ap.add_argument(
+        "--stream-idle-timeout",
+        type=_seconds,
+        default=OpenAIOptions.stream_idle_timeout,
+        metavar="SECONDS",
+        help="fail a request (and cancel it in Triton) when its Triton stream sends nothing for "
+        "this long, e.g. after a model instance died (default %(default)s; 0: never)",
     )
 
 
@@ -69,4 +88,5 @@ def options_from_args(args: argparse.Namespace) -> OpenAIOptions:
         max_model_len=args.max_model_len,
         chat_template=args.chat_template,
         log_level=args.openai_log_level,
+        stream_idle_timeout=args.stream_idle_timeout,
     )

@@ -95,6 +95,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         shape=Shape(served.name, chat=False),
         stream=body.stream,
         include_usage=_include_usage(body),
+        idle_timeout=request.app.state.idle_timeout,
         prefix=prompt if body.echo else "",
     )
     return await answer(request, _bridge(request), job)
@@ -122,5 +123,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         shape=Shape(served.name, chat=True),
         stream=body.stream,
         include_usage=_include_usage(body),
+        idle_timeout=request.app.state.idle_timeout,
     )
     return await answer(request, _bridge(request), job)

@@ -7,8 +7,9 @@ a Python handler never runs there: stubs clean up in ``finalize`` and at exit.) 
 forgets what its parent tracks.
 
 SIGKILL leaves files behind. Their names carry the owner's pid namespace and pid
-(``splitserve-<ns>-<pid>-<hex>``), so crash recovery can tell them apart:
-``sweep_dead_owners`` removes this user's files whose owner process is gone. Transports sweep
+(``owned_name``: ``splitserve-<pid namespace>-<owner pid>-<hex>``, where a KV pool's hex is its
+id, see ``pool_name``, and a release socket's ends in ``.sock``), so crash recovery can tell them
+apart: ``sweep_dead_owners`` removes this user's files whose owner process is gone. Transports sweep
 their directories when they create files, the launcher after its server stopped.
 """
 
@@ -30,8 +31,8 @@ class _Closable(Protocol):
 
 
 OWNED_NAME = re.compile(r"^splitserve-(\d+)-(\d+)-[0-9a-f]+(\.sock)?$")
-"""A file a transport made: ``splitserve-<pid namespace>-<owner pid>-<hex>``, a socket with
-``.sock``."""
+"""A name from ``owned_name``: ``splitserve-<pid namespace>-<owner pid>-<hex>``, a socket's
+with ``.sock``."""
 
 _paths: set[Path] = set()
 _live: weakref.WeakSet[_Closable] = weakref.WeakSet()

@@ -4,8 +4,9 @@ The owner's pool is one plain ``cudaMalloc`` allocation (IPC cannot export memor
 caching allocator's expandable segments), exported once with ``cudaIpcGetMemHandle`` beside an
 interprocess event that ``export`` records on the current stream, after prefill's KV writes.
 Both handles, the GPU's UUID and the pool size go into a 0600 file
-``<shm_dir>/splitserve-<owner pid>-<pool id hex>`` (unlinked on close, at exit and on SIGTERM;
-a SIGKILLed owner's is swept like the shm transport's, see ``cleanup``).
+``<shm_dir>/splitserve-<pid namespace>-<owner pid>-<pool id hex>`` (``pool_name``'s rule, as
+the shm transport's segments; unlinked on close, at exit and on SIGTERM; a SIGKILLed owner's is
+swept like theirs, see ``cleanup``).
 
 The signed KV handle names only the pool id: a reader opens the file, maps the memory and the
 event once per pool id, and on every fetch checks that the file is still the owner's, waits on
@@ -25,7 +26,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import secrets
 import stat
 import struct
 import weakref
@@ -41,14 +41,12 @@ from splitserve.kv.handle import InvalidHandle, KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
-from splitserve.transport import cleanup
+from splitserve.transport import cleanup, pool_name
 from splitserve.transport.leased import LeasedTransport
 
 log = logging.getLogger(__name__)
 
 IPC_HANDLE_SIZE = 64
-PID_BYTES = 4
-"""A pool id starts with its owner's pid (u32, little-endian), as the shm transport's do."""
 _INFO = struct.Struct("<4sH16sQ64s64s")
 _INFO_MAGIC = b"SSCI"
 _INFO_VERSION = 1
@@ -240,8 +238,8 @@ class CudaIpcTransport(LeasedTransport):
         rt = runtime()
         for stale in cleanup.sweep_dead_owners(self._shm_dir):
             log.warning("removed %s, left by a process that was killed", stale)
-        pool_id = os.getpid().to_bytes(PID_BYTES, "little") + secrets.token_bytes(16 - PID_BYTES)
-        path = self._info_path(pool_id)
+        pool_id = pool_name.new_pool_id()
+        path = pool_name.pool_path(self._shm_dir, pool_id)
         with on_device(index):
             try:
                 ptr = int(call("Malloc", nbytes))
@@ -320,7 +318,7 @@ class CudaIpcTransport(LeasedTransport):
         if own is not None and handle.pool_id == own.pool_id:
             self._wait(own.event)
             return own.pool.tensor
-        path = self._info_path(handle.pool_id)
+        path = pool_name.pool_path(self._shm_dir, handle.pool_id)
         peer = self._peers.get(handle.pool_id)
         try:
             inode = os.stat(path).st_ino
@@ -350,7 +348,7 @@ class CudaIpcTransport(LeasedTransport):
         layout = handle.layout
         if info.nbytes == 0 or info.nbytes % layout.block_bytes:
             raise InvalidHandle(f"KV pool {path} does not hold whole blocks")
-        if _owner_pid(handle.pool_id) == os.getpid():
+        if pool_name.owned_here(handle.pool_id):
             export = _LOCAL_EXPORTS.get(handle.pool_id)
             if export is None:
                 raise InvalidHandle(f"KV pool {handle.pool_id.hex()} is gone (owner closed)")
@@ -398,13 +396,6 @@ class CudaIpcTransport(LeasedTransport):
             cleanup.untrack(own.path)
             _LOCAL_EXPORTS.pop(own.pool_id, None)
             runtime().cudaEventDestroy(own.event)
-
-    def _info_path(self, pool_id: bytes) -> Path:
-        return self._shm_dir / cleanup.owned_name(pool_id.hex(), pid=_owner_pid(pool_id))
-
-
-def _owner_pid(pool_id: bytes) -> int:
-    return int.from_bytes(pool_id[:PID_BYTES], "little")
 
 
 def _cuda_index(device: torch.device | str) -> int:

@@ -1,11 +1,11 @@
 """KV transport over POSIX shared memory, for processes on one machine without GPUs.
 
-The owner's pool lives in ``/dev/shm/splitserve-<pid ns>-<owner pid>-<pool id hex>`` (mode
-0600, unlinked on close and at exit; a SIGKILLed owner's is swept by the next pool created on
-the machine and by the launcher, see ``cleanup``), allocated up front so that a full tmpfs fails
-at creation, not with SIGBUS on a later write. A reader maps the segment read-only once per pool
-id and copies blocks out of it; it checks on every fetch that the segment it mapped is still the
-owner's.
+The owner's pool lives in ``<shm_dir>/splitserve-<pid namespace>-<owner pid>-<pool id hex>``
+(``pool_name``'s rule; mode 0600, unlinked on close and at exit; a SIGKILLed owner's is swept by
+the next pool created on the machine and by the launcher, see ``cleanup``), allocated up front
+so that a full tmpfs fails at creation, not with SIGBUS on a later write. A reader maps the
+segment read-only once per pool id and copies blocks out of it; it checks on every fetch that
+the segment it mapped is still the owner's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import secrets
 import stat
 import warnings
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from splitserve.kv.handle import InvalidHandle, KVHandle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
-from splitserve.transport import cleanup
+from splitserve.transport import cleanup, pool_name
 from splitserve.transport.leased import LeasedTransport
 
 log = logging.getLogger(__name__)
@@ -66,9 +65,8 @@ class ShmTransport(LeasedTransport):
             raise RuntimeError("this transport already created its pool")
         for stale in cleanup.sweep_dead_owners(self._shm_dir):
             log.warning("removed %s, left by a process that was killed", stale)
-        owner = cleanup.pid_namespace().to_bytes(4, "little") + os.getpid().to_bytes(4, "little")
-        pool_id = owner + secrets.token_bytes(16 - len(owner))
-        path = self._segment_path(pool_id)
+        pool_id = pool_name.new_pool_id()
+        path = pool_name.pool_path(self._shm_dir, pool_id)
         size = num_blocks * layout.block_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         cleanup.track(path)
@@ -109,7 +107,7 @@ class ShmTransport(LeasedTransport):
     def _open(self, handle: KVHandle) -> torch.Tensor:
         if self._segment is not None and handle.pool_id == self._segment.pool_id:
             return self._segment.pool.tensor
-        path = self._segment_path(handle.pool_id)
+        path = pool_name.pool_path(self._shm_dir, handle.pool_id)
         peer = self._peers.get(handle.pool_id)
         try:
             inode = os.stat(path).st_ino
@@ -148,10 +146,3 @@ class ShmTransport(LeasedTransport):
         if self._segment is not None:
             self._segment.path.unlink(missing_ok=True)
             cleanup.untrack(self._segment.path)
-
-    def _segment_path(self, pool_id: bytes) -> Path:
-        """The pool id begins with the owner's pid namespace and pid (u32 each, little-endian),
-        which the name repeats for crash recovery; the rest is random."""
-        namespace = int.from_bytes(pool_id[:4], "little")
-        pid = int.from_bytes(pool_id[4:8], "little")
-        return self._shm_dir / cleanup.owned_name(pool_id.hex(), pid=pid, namespace=namespace)
