@@ -1,7 +1,7 @@
 """Prefill lends its cores to decode while it has no prompt to compute.
 
 On a CPU split 1 + 1, decode is bound by one core's memory read rate while the prefill core sits
-idle between prompt passes (about 60 % of the time at the chatbot goodput edge, BENCHMARKS.md).
+idle between prompt passes for much of the time (docs/bench/HISTORY.md, "tenth run").
 With a core lock, the decode instance steps with extra threads on the prefill cores whenever a
 step starts while prefill is idle, and with its own threads only otherwise. Prefill, before a
 pass, claims its cores and waits for the one borrowed step in flight to end, so a prompt pass

@@ -4,9 +4,9 @@ glibc serves an allocation above the mmap threshold with its own mapping and rai
 threshold (up to 32 MiB) each time such a mapping is freed. A process that runs prefill sees
 activations of every size up to tens of MiB: after the first long prompt they all come from the
 heap, where prompts of other lengths leave free holes that glibc keeps, and RSS drifts with the
-mix of lengths served (the soak saw ±5 % on the colocated stub). Fixing the threshold low keeps
-RSS flat but makes every large tensor a fresh mapping whose pages fault in again: prefill of
-1,500 tokens ran 1.4x slower. Instead, the heap is left as it is and, at most every
+mix of lengths served. Fixing the threshold low keeps RSS flat but makes every large tensor a
+fresh mapping whose pages fault in again, which slowed long prompt passes (docs/reliability.md).
+Instead, the heap is left as it is and, at most every
 ``interval_s``, ``malloc_trim`` returns the free pages of every arena to the kernel; the next
 allocations that reuse them fault them in once.
 """

@@ -3,9 +3,9 @@
 libgomp keeps a team's idle workers spinning only while the process's OpenMP threads fit on its
 cores. Every thread that ever ran a parallel torch op owns a team for as long as it lives, so a
 model built on Triton's thread and stepped on the engine loop's holds two teams: the workers
-then sleep between ops and every op pays a wake-up. On 2 cores the 100m decode step at batch 8
-took 24 ms that way instead of 16 (in-process test, BENCHMARKS.md). Building on a thread that
-has exited by the time the loop starts leaves the loop's team the only one.
+then sleep between ops and every op pays a wake-up (docs/bench/HISTORY.md, "Engines built on a
+thread of their own"). Building on a thread that has exited by the time the loop starts leaves
+the loop's team the only one.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ torch::Tensor greedy_tokens(torch::Tensor logits);
 // The kernels keep the GIL while they compute. Letting go of it (a gil_scoped_release call guard
 // on each) made served decode steps slower: every kernel call became one more point where the
 // engine thread waits to get the GIL back from the stub's sender and intake threads
-// (BENCHMARKS.md, "The CPU kernels and the GIL").
+// (docs/bench/HISTORY.md, "The CPU kernels and the GIL").
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("rms_norm", &rms_norm);
