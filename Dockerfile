@@ -9,17 +9,19 @@ FROM nvcr.io/nvidia/tritonserver:25.01-py3
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
-    PYTHONUNBUFFERED=1 \
-    SPLITSERVE_TEMPLATES=/opt/splitserve/model_repository
+    PYTHONUNBUFFERED=1
 
 WORKDIR /opt/splitserve
 COPY pyproject.toml README.md ./
 COPY backends backends
 COPY client client
 COPY kernels kernels
-COPY model_repository model_repository
-# CUDA 12 builds of torch (with its triton) and cuda-python, matching the image's CUDA 12.
-RUN pip install "torch==2.7.1" "cuda-python>=12.6,<13" && pip install ".[gpu,client]"
+COPY tools tools
+# CUDA 12 builds of torch (with its triton) and cuda-python, matching the image's CUDA 12. The
+# wheel carries the model-repository templates and the C++ CPU kernels' sources. Those kernels
+# are not built here: GPU layouts never call them, and they compile with -march=native, for the
+# CPU that serves (`python -m splitserve_kernels.build` on that machine builds them ahead).
+RUN pip install "torch==2.7.1" "cuda-python>=12.6,<13" && pip install ".[gpu,client,openai]"
 
 EXPOSE 8000 8001 8002
 ENTRYPOINT ["splitserve", "serve"]

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check backends client kernels tools scripts tests
 	$(VENV)/bin/ruff format --check backends client kernels tools scripts tests
 
+# The wheel (templates and C++ kernel sources as package data) into dist/, with no downloads.
+wheel: $(STAMP)
+	rm -rf build
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build dist

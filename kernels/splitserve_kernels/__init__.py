@@ -1,8 +1,11 @@
 """Kernels behind one signature each: an OpenAI Triton kernel (``gpu/``) chosen per call for
 CUDA tensors, a C++ kernel (``cpu/``) for CPU tensors where one exists, the pure-torch reference
 (``reference/``) everywhere else (see ``dispatch``). Prefill attention and KV gathers use the
-references on every device."""
+references on every device. ``cpu_status()`` says whether the compiled CPU kernels or the
+references run on CPUs (and why); ``python -m splitserve_kernels.build`` builds them ahead of
+use."""
 
+from splitserve_kernels.cpu import status as cpu_status
 from splitserve_kernels.dispatch import (
     add_rms_norm,
     apply_rotary,
@@ -20,6 +23,7 @@ from splitserve_kernels.reference.attention import gather_kv, varlen_prefill_att
 __all__ = [
     "add_rms_norm",
     "apply_rotary",
+    "cpu_status",
     "gather_kv",
     "greedy_tokens",
     "paged_decode_attention",

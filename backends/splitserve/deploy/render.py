@@ -18,9 +18,10 @@ from splitserve.serving.serving_config import CONFIG_PARAMETER
 
 
 def templates_dir() -> Path:
-    """``$SPLITSERVE_TEMPLATES``, else ``model_repository/`` of the source tree."""
+    """``$SPLITSERVE_TEMPLATES``, else the ``templates/`` shipped beside this module (package
+    data of the wheel)."""
     env = os.environ.get("SPLITSERVE_TEMPLATES")
-    path = Path(env) if env else Path(__file__).resolve().parents[3] / "model_repository"
+    path = Path(env) if env else Path(__file__).resolve().parent / "templates"
     if not (path / "generate_io.pbtxt").is_file():
         raise FileNotFoundError(f"model repository templates not found at {path}")
     return path

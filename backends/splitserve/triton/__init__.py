@@ -1,4 +1,4 @@
 """Triton Python-backend adapters: the only modules that import ``triton_python_backend_utils``.
 
-Each ``model_repository/<name>/1/model.py`` re-exports one class from here.
+Each ``deploy/templates/<name>/1/model.py`` re-exports one class from here.
 """

@@ -1,12 +1,14 @@
 """C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU, greedy token choice),
-compiled on first use with the local compiler.
+compiled on first use with the local compiler (g++ and ninja; the sources ship in the wheel).
 
-The build (about 40 s on two cores) is cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``), in a directory per checkout, and reused by every later process; a
-source change rebuilds it. Builds take a file lock of their own, so a build that was killed half
-way (which leaves torch's ``lock`` file behind) no longer makes later loads wait forever.
-``SPLITSERVE_KERNELS=reference`` turns them off. Where the build fails, ``extension()`` is None
-(with one warning) and the dispatcher uses the pure-torch references instead.
+The build (a minute or more on a small machine; README) is cached under
+``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a directory per installed
+copy of these sources, and reused by every later process; a source change rebuilds it.
+``python -m splitserve_kernels.build`` builds it ahead of time (at install, in an image). Builds
+take a file lock of their own, so a build that was killed half way (which leaves torch's ``lock``
+file behind) no longer makes later loads wait forever. ``SPLITSERVE_KERNELS=reference`` turns
+them off. Where the build fails, ``extension()`` is None, one warning per process names why, and
+the dispatcher uses the pure-torch references instead; ``status()`` says which run.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -68,11 +72,41 @@ def build_dir() -> Path:
     return root / py / f"splitserve_cpu_kernels-{tag}"
 
 
-def _load(where: Path) -> ModuleType:
+def _ninja_dirs() -> list[Path]:
+    """Where the ``ninja`` of the ``ninja`` wheel may be: its own idea, its installed files, and
+    beside this interpreter (a venv's ``bin``, not on PATH unless the venv is activated)."""
+    dirs = []
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        if getattr(ninja, "BIN_DIR", ""):
+            dirs.append(Path(ninja.BIN_DIR))
+    except ImportError:
+        pass
+    try:
+        files = importlib.metadata.files("ninja") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    dirs += [Path(str(f.locate())).resolve().parent for f in files if f.name == "ninja"]
+    return [*dirs, Path(sys.executable).parent]
+
+
+def ensure_ninja() -> None:
+    """torch runs ``ninja`` from PATH: put the ``ninja`` wheel's on it where PATH has none."""
+    if shutil.which("ninja"):
+        return
+    for where in _ninja_dirs():
+        if (where / "ninja").is_file() and os.access(where / "ninja", os.X_OK):
+            os.environ["PATH"] = os.pathsep.join([str(where), os.environ.get("PATH", "")])
+            return
+
+
+def _load(where: Path, verbose: bool = False) -> ModuleType:
     """Build (or load) under an exclusive lock of our own. Every build goes through it, so a
     torch ``lock`` file found while holding it belongs to a build that died: remove it."""
     from torch.utils.cpp_extension import load
 
+    ensure_ninja()
     where.mkdir(parents=True, exist_ok=True)
     with open(where / "splitserve.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -86,20 +120,43 @@ def _load(where: Path) -> ModuleType:
             extra_cflags=[*_FLAGS, f"-DSPLITSERVE_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(where),
+            verbose=verbose,
         )
+
+
+_why_not: str | None = None
+"""Why ``extension()`` is None, once it has been asked."""
 
 
 @functools.cache
 def extension() -> ModuleType | None:
-    """The compiled module, or None where kernels are off or the build failed."""
+    """The compiled module, or None where kernels are off or the build failed (then one
+    warning, naming why; ``status()`` says it too)."""
+    global _why_not
     if not enabled():
+        _why_not = "turned off by SPLITSERVE_KERNELS=reference"
+        log.info("CPU kernels %s: the torch references run", _why_not)
         return None
     log.info("loading the CPU kernels (compiled once, then cached)")
     try:
-        return _load(build_dir())
-    except Exception as exc:  # a missing compiler or headers: run on the reference instead
-        log.warning("CPU kernels unavailable, using the torch reference: %s", exc)
+        ext = _load(build_dir())
+    except Exception as exc:  # a missing compiler, ninja or headers: run on the reference instead
+        _why_not = f"the build failed: {type(exc).__name__}: {exc}"
+        log.warning(
+            "CPU kernels unavailable, the slower torch references run instead (%s); "
+            "`python -m splitserve_kernels.build` retries the build and shows its output",
+            _why_not,
+        )
         return None
+    log.info("CPU kernels loaded from %s", ext.__file__)
+    return ext
+
+
+def status() -> str:
+    """``compiled <path of the module>``, or ``reference (<why>)``; builds or loads the kernels
+    first where that has not been tried in this process."""
+    ext = extension()
+    return f"compiled {ext.__file__}" if ext is not None else f"reference ({_why_not})"
 
 
 def _ext() -> ModuleType:

@@ -12,7 +12,6 @@ the server reports it, else from ``token_times``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -71,7 +70,7 @@ class OpenAITarget:
                     record.error = f"HTTP {resp.status}: {body}"
                 else:
                     await _read_stream(resp, record)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.end = time.perf_counter()
         if not record.output_tokens:
