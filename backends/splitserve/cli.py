@@ -99,10 +99,11 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Checks every setting before anything starts: a bad one exits with status 2, naming it."""
-    from splitserve.deploy.serve import build_spec, serve_forever
+    from splitserve.deploy.serve import build_spec, check_paths, serve_forever
 
     try:
         spec = build_spec(serve_options(args))
+        check_paths(spec, args.repo_dir)
     except ValueError as exc:
         args.parser.exit(2, f"splitserve serve: error: {exc}\n")
     args.model = spec.model

@@ -98,6 +98,14 @@ def values_from_mapping(
     hold another dataclass (read recursively). Unknown keys are errors naming the accepted."""
     types_of = field_types(cls)
     nested = nested or {}
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    missing = sorted(required - set(data))
+    if missing:
+        raise ValueError(f"{where}: missing key {missing[0]!r}")
     unknown = sorted(set(data) - set(types_of))
     if unknown:
         raise ValueError(

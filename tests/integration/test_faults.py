@@ -104,7 +104,9 @@ def server_files(server: TritonServer) -> tuple[list[int], list[os.PathLike[str]
 def test_killed_decode_stub_fails_fast_and_its_leases_expire(
     start_splitserve: Callable[[DeploymentSpec], TritonServer],
 ) -> None:
-    server = start_splitserve(DeploymentSpec(layout="disagg", settings=ENGINE, prefill=SHORT_LEASES))
+    server = start_splitserve(
+        DeploymentSpec(layout="disagg", settings=ENGINE, prefill=SHORT_LEASES)
+    )
     pids, regions = server_files(server)
     streams = start_streams(server, "llm", 3)
     os.kill(stub_pid(server, "llm_0_0"), signal.SIGKILL)

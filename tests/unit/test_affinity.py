@@ -6,19 +6,20 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from splitserve.deploy.launcher import TritonInstall, TritonServer
-from splitserve.deploy.render import (
-    Layout,
+from splitserve.deploy.serve import ServeOptions, build_spec
+from splitserve.deploy.spec import (
+    DeploymentSpec,
     RoleSpec,
-    default_cpu_layout,
-    default_gpu_layout,
-    default_server_cores,
+    default_cpu_spec,
+    default_gpu_spec,
+    server_cores,
 )
-from splitserve.deploy.serve import ServeOptions, server_cores
 from splitserve.serving.affinity import (
     ALLOWED_CORES_ENV,
     allowed_cores,
@@ -104,20 +105,27 @@ def test_a_gone_process_has_no_threads_to_move() -> None:
 
 
 def test_server_threads_default_to_the_prefill_cores_of_a_cpu_layout() -> None:
-    engine = {"model": "tiny"}
-    assert default_server_cores(default_cpu_layout("both", engine, cores=4)) == {0, 1}
-    assert default_server_cores(default_cpu_layout("disagg", engine, cores=2)) == {0}
-    assert default_server_cores(default_cpu_layout("colocated", engine, cores=4)) is None
-    assert default_server_cores(default_gpu_layout("disagg", engine)) is None
-    two = Layout(layout="disagg", engine=engine, prefill=RoleSpec(2, "0;2"))
-    assert default_server_cores(two) == {0, 2}
+    settings = {"model": "tiny"}
+    assert server_cores(default_cpu_spec("both", settings, cores=4)) == {0, 1}
+    assert server_cores(default_cpu_spec("disagg", settings, cores=2)) == {0}
+    assert server_cores(default_cpu_spec("colocated", settings, cores=4)) is None
+    assert server_cores(default_gpu_spec("disagg", settings)) is None
+    two = DeploymentSpec(layout="disagg", settings=settings, prefill=RoleSpec(2, "0;2"))
+    assert server_cores(two) == {0, 2}
 
 
 def test_server_cores_option_overrides_or_turns_off_the_default() -> None:
-    layout = default_cpu_layout("disagg", {"model": "tiny"}, cores=2)
-    assert server_cores(ServeOptions(), layout) == {0}
-    assert server_cores(ServeOptions(server_cores="all"), layout) is None
-    assert server_cores(ServeOptions(server_cores="1"), layout) == {1}
+    spec = default_cpu_spec("disagg", {"model": "tiny"}, cores=2)
+    assert server_cores(spec) == {0}
+    assert server_cores(replace(spec, server_cores="all")) is None
+    assert server_cores(replace(spec, server_cores="1")) == {1}
+    # The same through serve's options.
+    placed = {"layout": "disagg", "prefill_cores": "0", "decode_cores": "1"}
+    assert server_cores(build_spec(ServeOptions(**placed))) == {0}
+    assert server_cores(build_spec(ServeOptions(**placed, server_cores="all"))) is None
+    assert server_cores(build_spec(ServeOptions(**placed, server_cores="1"))) == {1}
+    with pytest.raises(ValueError, match="cannot read server cores"):
+        build_spec(ServeOptions(**placed, server_cores="x"))
 
 
 def test_server_cores_must_be_cores_the_launcher_may_use() -> None:

@@ -1,14 +1,17 @@
 """Prefill lending its cores to decode: the two flock locks, the borrower's threads and where
-they run, its guard, and the layout and config that turn it on."""
+they run, its guard, and the deployment spec and config that turn it on."""
 
+import dataclasses
 import os
 import threading
 import time
 
 import pytest
 import torch
+from rendered_config import rendered
 
-from splitserve.deploy.render import RoleSpec, default_cpu_layout, lend_prefill_cores
+from splitserve.deploy.render import render
+from splitserve.deploy.spec import LOCK_NAME, RoleSpec, default_cpu_spec
 from splitserve.serving.affinity import thread_affinity
 from splitserve.serving.core_lend import Borrower, CoreLock, borrower_for
 from splitserve.serving.guard import GuardSettings, PayoffGuard
@@ -219,15 +222,43 @@ def test_borrower_needs_disjoint_core_sets(locks):
             Borrower(decode, own, lent, Recorder())
 
 
-def test_layout_lends_the_prefill_cores_to_decode():
-    layout = lend_prefill_cores(default_cpu_layout("both", {"model": "tiny"}, cores=2), "/x/lock")
-    assert layout.prefill.params == {"core_lock": "/x/lock"}
-    params = layout.decode.params
-    assert params["core_lock"] == "/x/lock" and parse_core_sets(params["lent_cores"]) == [{0}]
-    assert parse_core_sets(layout.decode.cpu_cores) == [{1}]
-    assert layout.colocated.params == {}
+def test_spec_lends_the_prefill_cores_to_decode(tmp_path):
+    spec = default_cpu_spec("both", {"model": "tiny"}, cores=2, lend_prefill_cores=True)
+    assert spec.lends
+    lock = str(tmp_path / "core.lock")
+    prefill = spec.serving_config("prefill", tmp_path)
+    assert prefill.core_lock == lock and prefill.lent_cores == ""
+    decode = spec.serving_config("llm", tmp_path)
+    assert decode.core_lock == lock and parse_core_sets(decode.lent_cores) == [{0}]
+    assert parse_core_sets(decode.cpu_cores) == [{1}]
+    colocated = spec.serving_config("llm_colocated", tmp_path)
+    assert colocated.core_lock == "" and colocated.lent_cores == ""
     cfg = ServingConfig(role="decode", core_lock="/x/lock", lent_cores="0", cpu_cores="1")
     assert cfg.lent_core_set == {0} and cfg.cores_for(0) == {1}
+
+
+def test_rendered_repository_holds_the_lock_both_roles_name(tmp_path):
+    spec = default_cpu_spec("both", {"model": "tiny"}, cores=2, lend_prefill_cores=True)
+    repo = render(spec, tmp_path / "repo")
+    lock = str((tmp_path / "repo").resolve() / LOCK_NAME)
+    assert rendered(repo, "prefill").core_lock == lock
+    decode = rendered(repo, "llm")
+    assert decode.core_lock == lock and decode.lent_core_set == {0}
+    assert rendered(repo, "llm_colocated").core_lock == ""
+
+
+def test_spec_lends_by_default_wherever_the_layout_allows(tmp_path):
+    base = default_cpu_spec("disagg", {"model": "tiny"}, cores=2)
+    assert base.lend_prefill_cores is None and base.lends
+    assert base.serving_config("llm", tmp_path).lent_core_set == {0}
+    off = dataclasses.replace(base, lend_prefill_cores=False)
+    assert not off.lends
+    for model in ("prefill", "llm"):
+        cfg = off.serving_config(model, tmp_path)
+        assert cfg.core_lock == "" and cfg.lent_cores == ""
+    cannot = dataclasses.replace(base, decode=RoleSpec(instances=2, cpu_cores="1"))
+    assert not cannot.lends  # None: no lending, and no error
+    assert cannot.serving_config("prefill", tmp_path).core_lock == ""
 
 
 @pytest.mark.parametrize(
@@ -238,12 +269,10 @@ def test_layout_lends_the_prefill_cores_to_decode():
         ({"layout": "colocated"}, "with prefill and decode"),
     ],
 )
-def test_layout_refuses_what_one_lock_cannot_share(change, message):
-    import dataclasses
-
-    base = default_cpu_layout("both", {"model": "tiny"}, cores=2)
+def test_spec_refuses_what_one_lock_cannot_share(change, message):
+    base = default_cpu_spec("both", {"model": "tiny"}, cores=2)
     with pytest.raises(ValueError, match=message):
-        lend_prefill_cores(dataclasses.replace(base, **change), "/x/lock")
+        dataclasses.replace(base, lend_prefill_cores=True, **change)
 
 
 def test_config_pairs_core_lock_and_lent_cores_on_decode_only():

@@ -1,4 +1,4 @@
-"""plan.json → Layout → rendered repository, ``serve --plan`` and ``plan search`` on the CLI."""
+"""plan.json → deployment spec → rendered repository, ``serve --plan`` and ``plan search``."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from rendered_config import serving_config
 from test_planner_profile import synthetic_profile
 
 from splitserve.deploy.render import render
-from splitserve.deploy.serve import ServeOptions, build_layout
+from splitserve.deploy.serve import ServeOptions, build_spec
 from splitserve_tools.cli import main as cli_main
 from splitserve_tools.planner.placement import Limits, Placement, Role
 from splitserve_tools.planner.plan import Plan
@@ -32,36 +33,46 @@ def test_plan_json_round_trip(tmp_path: Path) -> None:
     assert Plan.load(tmp_path / "plan.json") == plan
 
 
+def test_plan_json_carries_its_deployment_spec(tmp_path: Path) -> None:
+    plan = plan_of(DISAGG)
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["deployment"] == json.loads(json.dumps(plan.to_spec().to_dict()))
+
+
 def test_cpu_plan_renders_pinned_instances(tmp_path: Path) -> None:
-    layout = plan_of(DISAGG).to_layout()
-    assert layout.layout == "disagg" and layout.device == "cpu"
-    assert layout.prefill.cpu_cores == "0-1" and layout.prefill.instances == 1
-    assert layout.decode.cpu_cores == "2;3" and layout.decode.instances == 2
-    assert layout.engine["max_model_len"] == "1024"
-    render(layout, tmp_path)
+    spec = plan_of(DISAGG).to_spec()
+    assert spec.layout == "disagg" and spec.device == "cpu"
+    assert spec.prefill.cpu_cores == "0-1" and spec.prefill.instances == 1
+    assert spec.decode.cpu_cores == "2;3" and spec.decode.instances == 2
+    assert spec.settings["max_model_len"] == 1024
+    render(spec, tmp_path)
     prefill = (tmp_path / "prefill" / "config.pbtxt").read_text()
     llm = (tmp_path / "llm" / "config.pbtxt").read_text()
     assert "max_batch_size: 4" in prefill and "max_queue_delay_microseconds: 2000" in prefill
-    assert 'key: "cpu_cores" value: { string_value: "0-1" }' in prefill
+    assert serving_config(prefill).cpu_cores == "0-1"
     assert "count: 2 kind: KIND_CPU" in llm
-    assert 'key: "max_num_seqs" value: { string_value: "64" }' in llm
+    decode = serving_config(llm)
+    assert decode.engine.max_num_seqs == 64 and decode.engine.max_model_len == 1024
+    assert decode.engine.model == "/ckpt" and decode.engine.dtype == "float32"
     assert not (tmp_path / "llm_colocated").exists()
 
 
 def test_colocated_plan_carries_chunking(tmp_path: Path) -> None:
     limits = Limits(chunked_prefill=True, max_num_batched_tokens=512)
     plan = plan_of(Placement("colocated", colocated=Role(2, 1), limits=limits))
-    render(plan.to_layout(), tmp_path)
-    text = (tmp_path / "llm_colocated" / "config.pbtxt").read_text()
-    assert 'key: "chunked_prefill" value: { string_value: "true" }' in text
-    assert 'key: "cpu_cores" value: { string_value: "0;1" }' in text
+    render(plan.to_spec(), tmp_path)
+    cfg = serving_config((tmp_path / "llm_colocated" / "config.pbtxt").read_text())
+    assert cfg.engine.chunked_prefill is True
+    assert cfg.engine.max_num_batched_tokens == 512
+    assert cfg.cpu_cores == "0;1"
 
 
 def test_gpu_plan_gives_each_instance_a_gpu(tmp_path: Path) -> None:
     gpu = Placement("disagg", prefill=Role(1, 1), decode=Role(3, 1))
-    layout = plan_of(gpu, "gpu").to_layout()
-    assert layout.prefill.gpus == (0,) and layout.decode.gpus == (1, 2, 3)
-    render(layout, tmp_path)
+    spec = plan_of(gpu, "gpu").to_spec()
+    assert spec.prefill.gpus == (0,) and spec.decode.gpus == (1, 2, 3)
+    render(spec, tmp_path)
     assert "gpus: [ 1, 2, 3 ]" in (tmp_path / "llm" / "config.pbtxt").read_text()
     with pytest.raises(ValueError, match="tensor parallelism"):
         plan_of(Placement("colocated", colocated=Role(1, 2)), "gpu")
@@ -69,16 +80,29 @@ def test_gpu_plan_gives_each_instance_a_gpu(tmp_path: Path) -> None:
 
 def test_serve_options_take_the_plan(tmp_path: Path) -> None:
     plan_of(DISAGG).save(tmp_path / "plan.json")
-    opts = ServeOptions(model="/other", engine={"dtype": "bfloat16"}, plan=tmp_path / "plan.json")
-    layout = build_layout(opts)
-    assert layout.engine["model"] == "/other" and layout.engine["dtype"] == "bfloat16"
-    assert layout.decode.cpu_cores == "2;3"
+    opts = ServeOptions(model="/other", settings={"dtype": "bfloat16"}, plan=tmp_path / "plan.json")
+    spec = build_spec(opts)
+    assert spec.settings["model"] == "/other" and spec.settings["dtype"] == "bfloat16"
+    assert spec.decode.cpu_cores == "2;3"
+    assert build_spec(ServeOptions(plan=tmp_path / "plan.json")).model == "/ckpt"
 
 
-def test_serve_refuses_placement_flags_beside_a_plan(tmp_path: Path) -> None:
+def test_serve_refuses_a_plan_without_a_deployment(tmp_path: Path) -> None:
+    data = plan_of(DISAGG).to_dict()
+    del data["deployment"]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="has no deployment"):
+        build_spec(ServeOptions(plan=tmp_path / "plan.json"))
+
+
+def test_serve_refuses_placement_flags_beside_a_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     plan_of(DISAGG).save(tmp_path / "plan.json")
-    with pytest.raises(SystemExit, match="--decode-cores"):
+    with pytest.raises(SystemExit) as exit_info:
         cli_main(["serve", "--plan", str(tmp_path / "plan.json"), "--decode-cores", "1"])
+    assert exit_info.value.code == 2
+    assert "--decode-cores" in capsys.readouterr().err
 
 
 def test_plan_search_cli_writes_plan_and_repository(

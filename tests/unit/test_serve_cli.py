@@ -15,8 +15,10 @@ import splitserve.deploy.serve as serve
 FRONTEND = ("uvicorn", "fastapi", "grpc", "tritonclient")
 companions = []
 
-def serve_forever(opts, companion=None):
+def serve_forever(spec, repo_dir=None, companion=None):
     # Where the real one has started tritonserver: nothing of the frontend loaded yet.
+    assert isinstance(spec, serve.DeploymentSpec) and spec.model == "tiny", spec
+    assert repo_dir is None, repo_dir
     loaded = [name for name in FRONTEND if name in sys.modules]
     assert not loaded, loaded
     companions.append(companion)

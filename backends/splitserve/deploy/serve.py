@@ -68,16 +68,28 @@ def typed_settings(raw: dict[str, str]) -> dict[str, Any]:
 
 def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
     assert opts.plan is not None
-    data = json.loads(Path(opts.plan).read_text())
-    if "deployment" not in data:
+    try:
+        data = json.loads(Path(opts.plan).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the plan {str(opts.plan)!r}: {exc}") from None
+    if not isinstance(data, dict) or "deployment" not in data:
         raise ValueError(
             f"{opts.plan} has no deployment: write it again with `splitserve plan search`"
         )
     spec = DeploymentSpec.from_dict(data["deployment"], where=f"{opts.plan}: deployment")
-    model = {"model": opts.model} if opts.model else {}
+    given = {**({"model": opts.model} if opts.model else {}), **typed_settings(opts.settings)}
+
+    def role(name: str) -> RoleSpec:
+        # What the command line sets wins over the plan's per-role limits too.
+        spec_role = spec.role(name)
+        return replace(spec_role, settings={**spec_role.settings, **given})
+
     return replace(
         spec,
-        settings={**spec.settings, **model, **typed_settings(opts.settings)},
+        settings={**spec.settings, **given},
+        prefill=role("prefill"),
+        decode=role("decode"),
+        colocated=role("colocated"),
         **_serving_fields(opts),
     )
 
@@ -161,14 +173,15 @@ def prepare_cpu_kernels() -> None:
     on the same build inside the server's start-up timeout."""
     import splitserve_kernels
 
-    log.info("preparing the CPU kernels (built on first use, about 40 s)")
+    log.info("preparing the CPU kernels (compiled on the first start of an install)")
     splitserve_kernels.prepare("cpu")
 
 
-def check_paths(spec: DeploymentSpec, repo: Path) -> None:
+def check_paths(spec: DeploymentSpec, repo: Path | None) -> None:
     """Refuses paths the Python backend's stubs cannot use: it starts them through an unquoted
     shell command line, and their embedded Python encodes file names as ASCII."""
-    if SHELL_SPECIAL.search(str(repo.resolve())) or not str(repo.resolve()).isascii():
+    where = str(repo.resolve()) if repo is not None else ""
+    if SHELL_SPECIAL.search(where) or not where.isascii():
         raise ValueError(
             f"tritonserver cannot run models from {str(repo)!r}: pick an ASCII repository path "
             "without whitespace, quotes, backslashes or other shell metacharacters"

@@ -120,7 +120,7 @@ class DeploymentSpec:
         if self.prefill_max_batch_size <= 0 or self.prefill_queue_delay_us < 0:
             raise ValueError("prefill_max_batch_size must be positive, queue delay >= 0")
         if self.server_cores not in (None, "all"):
-            parse_ranges(self.server_cores, "cores")
+            parse_ranges(self.server_cores, "server cores")
         _check_settings(self.settings, "settings")
         for model in self.models:
             role = ROLE_OF[model]
@@ -210,7 +210,7 @@ def server_cores(spec: DeploymentSpec) -> set[int] | None:
     if spec.server_cores == "all":
         return None
     if spec.server_cores is not None:
-        return parse_ranges(spec.server_cores, "cores")
+        return parse_ranges(spec.server_cores, "server cores")
     if spec.device != "cpu" or "prefill" not in spec.models:
         return None
     cores = set().union(*parse_core_sets(spec.prefill.cpu_cores))

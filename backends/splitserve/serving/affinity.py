@@ -2,8 +2,8 @@
 
 The launcher can pin tritonserver's own threads (HTTP/gRPC front ends, the Python backend's
 threads) to a few cores after start-up, so that they stop waking beside a decode engine thread
-(docs/bench/HISTORY.md, "tritonserver's threads on the prefill cores"). A stub Triton starts after that
-(a restart) inherits the narrowed affinity, so the launcher also names, in
+(docs/bench/HISTORY.md, "tritonserver's threads on the prefill cores"). A stub Triton starts
+after that (a restart) inherits the narrowed affinity, so the launcher also names, in
 ``SPLITSERVE_ALLOWED_CORES``, the cores the instances may use; ``allowed_cores`` reads it.
 """
 

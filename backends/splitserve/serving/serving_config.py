@@ -51,7 +51,14 @@ class ServingConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("lease_ttl_s", "default_max_tokens", "prefill_retry_s"):
+        positive = (
+            "lease_ttl_s",
+            "default_max_tokens",
+            "prefill_retry_s",
+            "cancel_poll_s",
+            "metrics_interval_s",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.max_queue < 0:
