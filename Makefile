@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench wheel clean
+.PHONY: serve test lint wheel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,15 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check backends client kernels tools scripts tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check backends client kernels tools scripts tests
 	$(VENV)/bin/ruff format --check backends client kernels tools scripts tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # The wheel (templates and C++ kernel sources as package data) into dist/, with no downloads.
 wheel: $(STAMP)

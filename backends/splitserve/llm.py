@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]] | str,
+        prompts: str | Sequence[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:

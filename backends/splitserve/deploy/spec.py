@@ -169,7 +169,7 @@ class DeploymentSpec:
         engine_keys = field_types(EngineConfig)
         engine = EngineConfig(**{k: v for k, v in merged.items() if k in engine_keys})
         serving = {k: v for k, v in merged.items() if k not in engine_keys}
-        placed: dict[str, str] = {}
+        placed: dict[str, Any] = {}
         if self.device == "cpu" and spec.cpu_cores:
             placed["cpu_cores"] = spec.cpu_cores
         if self.lends and role in ("prefill", "decode"):

@@ -6,6 +6,9 @@ into it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast, overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,6 +105,20 @@ class DecoderLayer(nn.Module):
         )
 
 
+if TYPE_CHECKING:
+
+    class _DecoderLayers(nn.ModuleList):
+        """How mypy sees ``LlamaForCausalLM.layers``: torch types a ModuleList's items as plain
+        ``Module`` (it is not generic); every item of this one is a DecoderLayer."""
+
+        @overload
+        def __getitem__(self, idx: slice) -> nn.ModuleList: ...
+        @overload
+        def __getitem__(self, idx: int) -> DecoderLayer: ...
+        def __getitem__(self, idx: int | slice) -> DecoderLayer | nn.ModuleList: ...
+        def __iter__(self) -> Iterator[DecoderLayer]: ...
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu", max_positions: int = 0
@@ -110,8 +127,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)
+        self.layers = cast(
+            "_DecoderLayers",
+            nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers)),
         )
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (

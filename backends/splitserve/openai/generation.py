@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +71,9 @@ async def answer(request: Request, bridge: TritonBridge, job: Job) -> Response:
     return EventStream(_events(first, chunks, job))
 
 
-async def _until_silent(chunks: AsyncIterator[Chunk], idle_s: float) -> AsyncIterator[Chunk]:
+async def _until_silent(
+    chunks: AsyncGenerator[Chunk, None], idle_s: float
+) -> AsyncGenerator[Chunk, None]:
     """``chunks``, until the next one takes over ``idle_s``: then the wait for it is cancelled,
     which closes the Triton stream and so cancels the request, and a 504 ``APIError`` is raised.
     """
@@ -88,7 +90,7 @@ async def _until_silent(chunks: AsyncIterator[Chunk], idle_s: float) -> AsyncIte
             yield chunk
 
 
-async def _body(chunks: AsyncIterator[Chunk], job: Job) -> dict[str, Any]:
+async def _body(chunks: AsyncGenerator[Chunk, None], job: Job) -> dict[str, Any]:
     parts = [job.prefix]
     async for chunk in chunks:
         parts.append(chunk.text)
@@ -97,7 +99,9 @@ async def _body(chunks: AsyncIterator[Chunk], job: Job) -> dict[str, Any]:
     raise APIError("no final response from Triton", 502)
 
 
-async def _events(first: Chunk, chunks: AsyncIterator[Chunk], job: Job) -> AsyncIterator[str]:
+async def _events(
+    first: Chunk, chunks: AsyncGenerator[Chunk, None], job: Job
+) -> AsyncIterator[str]:
     shape, with_usage = job.shape, job.include_usage
     async with aclosing(chunks):
         if shape.chat:

@@ -8,7 +8,7 @@ drops it and frees its KV blocks.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,7 @@ class TritonBridge:
 
     async def generate(
         self, model: str, prompt: str, sampling: dict[str, Any], stream: bool
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Responses up to and including the FINAL one; an error response raises ``APIError``.
 
         Close it (``aclose``) when done: that cancels the request if it has not finished.

@@ -12,7 +12,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 from safetensors.torch import save_file
@@ -40,8 +40,20 @@ LLAMA3_SPLIT = (
 PROGRESS_MIN_PARAMS = 20_000_000
 PADDING_LOGIT_SCALE = 0.1
 
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(
+
+class Preset(TypedDict):
+    """Sizes that ``write_random_checkpoint`` takes as keywords."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
         hidden_size=256,
         num_layers=4,
         num_heads=8,
@@ -49,7 +61,7 @@ PRESETS: dict[str, dict[str, int]] = {
         intermediate_size=688,
         vocab_size=2048,
     ),
-    "100m": dict(
+    "100m": Preset(
         hidden_size=768,
         num_layers=12,
         num_heads=12,
@@ -375,7 +387,9 @@ def write_tokenizer(
     """
     if style == "bpe":
         specials, bos, eos = LLAMA2_SPECIALS, LLAMA2_SPECIALS[1], LLAMA2_SPECIALS[2]
-        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        pre_tokenizer: pre_tokenizers.PreTokenizer = pre_tokenizers.ByteLevel(
+            add_prefix_space=False
+        )
     elif style == "llama3":
         specials, bos, eos = LLAMA3_SPECIALS, LLAMA3_SPECIALS[0], LLAMA3_SPECIALS[1]
         pre_tokenizer = pre_tokenizers.Sequence(
@@ -401,7 +415,7 @@ def write_tokenizer(
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
     if style == "llama3":
         tok.add_special_tokens(special_tokens)
-    bos_id = tok.token_to_id(bos)
+    bos_id = _token_id(tok, bos)
     tok.post_processor = processors.Sequence(
         [
             processors.ByteLevel(add_prefix_space=False, trim_offsets=False),
@@ -420,13 +434,20 @@ def write_tokenizer(
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
     }
-    eos_ids = [tok.token_to_id(eos)]
+    eos_ids = [_token_id(tok, eos)]
     if style == "bpe":
         tokenizer_config.update(add_bos_token=True, add_eos_token=False, unk_token=specials[0])
     else:
-        eos_ids.append(tok.token_to_id(specials[2]))
+        eos_ids.append(_token_id(tok, specials[2]))
     _write_json(out / "tokenizer_config.json", tokenizer_config)
     return bos_id, eos_ids, tok.get_vocab_size()
+
+
+def _token_id(tok: HFTokenizerBackend, token: str) -> int:
+    """The id of ``token``, a special token the tokenizer was trained with or given."""
+    token_id = tok.token_to_id(token)
+    assert token_id is not None, f"{token!r} is not in the vocabulary"
+    return token_id
 
 
 def _corpus_lines() -> list[str]:

@@ -117,7 +117,7 @@ def sweep_dead_owners(directory: str | os.PathLike[str]) -> list[Path]:
     whose owner process is gone (killed with SIGKILL, so it could not unlink them). Files made
     in another pid namespace (another container sharing ``/dev/shm``) are left alone: their pids
     cannot be checked from here. Returns what it removed."""
-    removed = []
+    removed: list[Path] = []
     uid = os.geteuid()
     namespace = pid_namespace()
     try:

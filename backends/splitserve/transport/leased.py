@@ -117,7 +117,12 @@ class LeasedTransport(KVTransport):
             cleanup.track(self._listener.path)
 
     def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
-        if self._leases is None or self._listener is None or self._pool is None:
+        if (
+            self._leases is None
+            or self._listener is None
+            or self._pool is None
+            or self._pool_id is None  # set with _leases and _listener (register)
+        ):
             raise RuntimeError("export needs a registered pool from create_pool")
         pool = self._pool
         if any(not 0 <= b < pool.num_blocks for b in block_ids):
