@@ -457,7 +457,6 @@ def test_bad_deployment_in_a_plan_exits_2(
 # --- one set of defaults ------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="defaults unified in a later commit")
 def test_serving_defaults_match_the_components_they_configure() -> None:
     from splitserve.serving.loop import EngineLoop
     from splitserve.transport.leased import LeasedTransport

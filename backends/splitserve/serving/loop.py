@@ -44,7 +44,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        cancel_poll_s: float = 0.02,
+        cancel_poll_s: float = 0.1,
         name: str = "engine",
         after_step: Callable[[EngineLoop], None] | None = None,
         on_step: Callable[[float, int, float], None] | None = None,

@@ -54,7 +54,7 @@ class LeasedTransport(KVTransport):
         self,
         key: bytes,
         *,
-        lease_ttl_s: float = 60.0,
+        lease_ttl_s: float = 30.0,
         read_margin_s: float = 1.0,
         pull_ttl_s: float = 60.0,
         sweep_interval_s: float = 0.05,
