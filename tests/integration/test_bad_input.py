@@ -50,6 +50,40 @@ BAD_BODIES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
         ("temperature",),
     ),
     "beam-search": ({"text_input": "hi", "beam_width": 4}, ("beam_width",)),
+    "seed-2**64-in-json": (
+        {"text_input": "hi", "sampling_parameters": json.dumps({"seed": 2**64})},
+        ("seed",),
+    ),
+    "seed-negative-in-json": (
+        {"text_input": "hi", "sampling_parameters": json.dumps({"seed": -1})},
+        ("seed",),
+    ),
+    "seed-negative": ({"text_input": "hi", "seed": -1}, ("seed",)),
+    "timeout-0": ({"text_input": "hi", "sampling_parameters": '{"timeout": 0}'}, ("timeout",)),
+    "timeout-negative": (
+        {"text_input": "hi", "sampling_parameters": '{"timeout": -2.5}'},
+        ("timeout",),
+    ),
+    "timeout-infinite": (
+        {"text_input": "hi", "sampling_parameters": '{"timeout": Infinity}'},
+        ("timeout",),
+    ),
+    "timeout-not-a-number": (
+        {"text_input": "hi", "sampling_parameters": '{"timeout": "soon"}'},
+        ("timeout",),
+    ),
+    "deadline_ms-fraction": (
+        {"text_input": "hi", "sampling_parameters": '{"deadline_ms": 1.5}'},
+        ("deadline_ms",),
+    ),
+    "deadline_ms-0": (
+        {"text_input": "hi", "sampling_parameters": '{"deadline_ms": 0}'},
+        ("deadline_ms",),
+    ),
+    "timeout-and-deadline_ms": (
+        {"text_input": "hi", "sampling_parameters": '{"timeout": 1, "deadline_ms": 1000}'},
+        ("timeout", "deadline_ms"),
+    ),
 }
 
 
@@ -94,6 +128,8 @@ def grpc_case(case: str) -> tuple[Any, tuple[str, ...]]:
     for name, value in body.items():
         if name in ("max_tokens", "beam_width"):
             tensors[name] = (np.array([value], np.int32), "INT32")
+        elif name == "seed":
+            tensors[name] = (np.array([value], np.int64), "INT64")
         elif name == "sampling_parameters":
             tensors[name] = (np.array([value.encode()], np.object_), "BYTES")
     return generate_inputs(body.get("text_input"), tensors=tensors), words
@@ -112,3 +148,21 @@ def test_bad_grpc_request_fails_naming_the_field(
         assert good.num_output_tokens == GOOD["max_tokens"]
         assert client.events.empty(), "the failed request sent more than its error"
     assert_healthy(splitserve_server, model)
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [{"sampling_parameters": json.dumps({"seed": 2**64 - 1})}, {"random_seed": 2**64 - 1}],
+    ids=["json", "random_seed"],
+)
+def test_largest_seed_samples_alike_in_both_models(
+    splitserve_server: TritonServer, seed: dict[str, Any]
+) -> None:
+    """The top of the seed range reaches the sampler intact, through prefill's BLS call too."""
+    body = {"text_input": "hi", "max_tokens": 4, "temperature": 1.0, "ignore_eos": True, **seed}
+    texts = []
+    for model in MODELS:
+        status, text = post(splitserve_server, model, "generate", body)
+        assert status == 200, text
+        texts.append(json.loads(text)["text_output"])
+    assert texts[0] == texts[1]

@@ -94,6 +94,8 @@ def prefill_inputs(
     )
 
 
+NOT_YOURS = "prefill is internal"
+"""In the one error ``prefill`` gives a caller without a valid tag."""
 GREEDY_ONE = json.dumps({"temperature": 0.0, "max_tokens": 1}).encode()
 IDS = np.array([[1, 450, 2362, 9]], np.int64)
 GARBAGE: dict[str, tuple[list[grpcclient.InferInput], tuple[str, ...]]] = {
@@ -110,7 +112,8 @@ GARBAGE: dict[str, tuple[list[grpcclient.InferInput], tuple[str, ...]]] = {
     "json-not-object": (prefill_inputs(IDS, b"[1, 2]"), ("sampling_parameters",)),
     "unknown-key": (prefill_inputs(IDS, b'{"kv_handle": 1}'), ("sampling_parameters", "kv_handle")),
     "bad-value": (prefill_inputs(IDS, b'{"max_tokens": 0}'), ("max_tokens",)),
-    "non-utf8-request-id": (prefill_inputs(IDS, GREEDY_ONE, b"\xff\xfe"), ("request_id", "UTF-8")),
+    # No tag can be checked against an unreadable request id: the same error as a bad tag.
+    "non-utf8-request-id": (prefill_inputs(IDS, GREEDY_ONE, b"\xff\xfe"), (NOT_YOURS,)),
     "wrong-dtype": (prefill_inputs(IDS.astype(np.int32), GREEDY_ONE), ("input_ids", "INT64")),
     "batch-of-two": (
         infer_inputs(
@@ -121,7 +124,7 @@ GARBAGE: dict[str, tuple[list[grpcclient.InferInput], tuple[str, ...]]] = {
                 "request_id": (np.array([[b"a"], [b"b"]], np.object_), "BYTES"),
             }
         ),
-        ("input_ids", "one request"),
+        (NOT_YOURS,),
     ),
     "missing-seed": (
         [t for t in prefill_inputs(IDS, GREEDY_ONE) if t.name() != "seed"],
@@ -168,7 +171,36 @@ def test_prefill_called_without_llms_key_gives_nothing(
     ):
         client.infer("prefill", prefill_inputs(IDS, GREEDY_ONE), parameters=parameters)
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
-    assert "prefill is internal" in info.value.message()
+    assert NOT_YOURS in info.value.message()
+    assert is_idle(splitserve_server), gauges(splitserve_server)
+
+
+TRITON_CHECKS = ("wrong-dtype", "missing-seed")
+"""Garbage that Triton itself answers from the model's config, before the model sees the call."""
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [None, {bls_contract.AUTH: "00" * 32}, "other-key"],
+    ids=["none", "forged", "other-key"],
+)
+def test_prefill_checks_the_tag_before_its_inputs(
+    splitserve_server: TritonServer, parameters: object
+) -> None:
+    """A caller without a valid tag learns nothing about its inputs: one error text for all."""
+    if parameters == "other-key":
+        parameters = auth(generate_key())
+    assert wait_for(lambda: is_idle(splitserve_server), IDLE_S), gauges(splitserve_server)
+    messages = set()
+    with grpcclient.InferenceServerClient(splitserve_server.grpc_url) as client:
+        for case, (inputs, _) in GARBAGE.items():
+            if case in TRITON_CHECKS:
+                continue
+            with pytest.raises(InferenceServerException) as info:
+                client.infer("prefill", inputs, parameters=parameters)
+            assert info.value.status() == "StatusCode.INVALID_ARGUMENT", (case, info.value)
+            messages.add(info.value.message())
+    assert len(messages) == 1 and NOT_YOURS in messages.pop(), messages
     assert is_idle(splitserve_server), gauges(splitserve_server)
 
 

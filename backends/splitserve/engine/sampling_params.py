@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+SEED_MAX = 2**64 - 1
+"""Seeds are in ``[0, SEED_MAX]``: what ``llm`` hands ``prefill`` as a UINT64 tensor, so both
+serving modes take the same seeds."""
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -38,6 +42,7 @@ class SamplingParams:
             ("top_k", self.top_k == -1 or self.top_k >= 0, "must be -1 (disabled) or >= 0"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("seed", self.seed is None or 0 <= self.seed <= SEED_MAX, "must be in [0, 2**64 - 1]"),
             ("repetition_penalty", self.repetition_penalty > 0.0, "must be positive"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),

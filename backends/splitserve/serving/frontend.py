@@ -15,6 +15,8 @@ from splitserve.tokenizer import Tokenizer
 class Prepared:
     gen: GenerateRequest
     prompt_ids: list[int]
+    deadline: float | None
+    """``time.monotonic()`` past which the request ends with a timeout error; None: never."""
 
 
 def prepare(
@@ -22,7 +24,11 @@ def prepare(
     tokenizer: Tokenizer,
     max_model_len: int,
     default_max_tokens: int,
+    default_timeout_s: float | None,
+    arrival: float,
 ) -> Prepared:
+    """``default_timeout_s`` limits requests that give no time limit of their own, counted from
+    ``arrival`` (``time.monotonic()``)."""
     gen = parse_generate(inputs, default_max_tokens)
     if not gen.prompt:
         raise InputError("input 'text_input' must not be empty")
@@ -38,4 +44,5 @@ def prepare(
             f"max_tokens {gen.params.max_tokens} plus the prompt's {len(ids)} tokens exceeds "
             f"max_model_len {max_model_len}"
         )
-    return Prepared(gen, ids)
+    timeout_s = default_timeout_s if gen.timeout_s is None else gen.timeout_s
+    return Prepared(gen, ids, None if timeout_s is None else arrival + timeout_s)

@@ -7,6 +7,7 @@ the field, which the Triton adapter turns into ``INVALID_ARG``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,6 +30,8 @@ class GenerateRequest:
     return_finish_reason: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
+    timeout_s: float | None = None
+    """The request's own time limit from ``timeout``/``deadline_ms``; None if it gave none."""
 
 
 SAMPLING_TYPES = {f.name: str(f.type) for f in fields(SamplingParams)}
@@ -51,6 +54,9 @@ TENSOR_PARAMS: dict[str, str] = {
     "stop": "stop",
     "stop_words": "stop",
 }
+DEADLINE_TYPES = {"timeout": "float", "deadline_ms": "int"}
+"""``sampling_parameters`` keys that limit a request's time (seconds, milliseconds) rather than
+its sampling; one of them at most."""
 # Accepted for compatibility only at the value that means "one plain sample".
 TRIVIAL_VALUES: dict[str, Any] = {"n": 1, "best_of": 1, "use_beam_search": False, "beam_width": 1}
 
@@ -96,7 +102,9 @@ def _sampling_json(raw: Any) -> dict[str, Any]:
 def _from_string(key: str, value: Any) -> Any:
     """Numbers and booleans given as JSON strings (genai-perf sends ``"max_tokens": "8"``),
     converted as Triton's vLLM backend does; other values pass through unchanged."""
-    kind = SAMPLING_TYPES.get(key) or type(TRIVIAL_VALUES.get(key)).__name__
+    kind = (
+        SAMPLING_TYPES.get(key) or DEADLINE_TYPES.get(key) or type(TRIVIAL_VALUES.get(key)).__name__
+    )
     if not isinstance(value, str) or kind not in ("int", "int | None", "float", "bool"):
         return value
     text = value.strip()
@@ -117,6 +125,29 @@ def _check_trivial(key: str, value: Any, source: str) -> None:
         )
 
 
+def _timeout_s(given: dict[str, Any]) -> float | None:
+    """Seconds from ``timeout`` or ``deadline_ms`` (positive, finite), None if neither is given."""
+    if len(given) > 1:
+        raise InputError("sampling_parameters: give 'timeout' or 'deadline_ms', not both")
+    if not given:
+        return None
+    ((key, value),) = given.items()
+    millis = key == "deadline_ms"
+    seconds = math.nan
+    if isinstance(value, int if millis else int | float) and not isinstance(value, bool):
+        try:
+            seconds = value / 1000 if millis else float(value)
+        except OverflowError:  # an integer past any float
+            seconds = math.inf
+    if not 0 < seconds < math.inf:
+        unit = "milliseconds (an integer)" if millis else "seconds"
+        raise InputError(
+            f"sampling_parameters '{key}' must be a positive, finite number of {unit}, "
+            f"got {value!r}"
+        )
+    return seconds
+
+
 def parse_generate(
     inputs: Mapping[str, np.ndarray], default_max_tokens: int = 16
 ) -> GenerateRequest:
@@ -124,6 +155,7 @@ def parse_generate(
         raise InputError("input 'text_input' is required")
     prompt = _text("text_input", _scalar("text_input", inputs["text_input"]))
     kwargs: dict[str, Any] = {"max_tokens": default_max_tokens}
+    deadline: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
         for key, value in _sampling_json(
             _scalar("sampling_parameters", inputs["sampling_parameters"])
@@ -133,6 +165,8 @@ def parse_generate(
                 _check_trivial(key, value, "sampling_parameters")
             elif key in SAMPLING_TYPES:
                 kwargs[key] = value
+            elif key in DEADLINE_TYPES:
+                deadline[key] = value
             else:
                 raise InputError(f"sampling_parameters key '{key}' is not supported")
     for name, field in TENSOR_PARAMS.items():
@@ -159,4 +193,5 @@ def parse_generate(
         return_finish_reason=flag("return_finish_reason", True),
         return_num_input_tokens=flag("return_num_input_tokens", True),
         return_num_output_tokens=flag("return_num_output_tokens", True),
+        timeout_s=_timeout_s(deadline),
     )

@@ -2,6 +2,7 @@
 
 The Triton adapters only enqueue: requests, handed-over requests and aborts go through the
 inbox and are applied between steps, so the engine itself is only ever touched by this thread.
+Between steps it also ends the requests whose client cancelled or whose deadline passed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from splitserve.engine.scheduler import KVSource
 from splitserve.serving.heap import HeapTrimmer
 
 log = logging.getLogger(__name__)
+
+TIMED_OUT = (
+    "request timed out: it did not finish within its 'timeout'/'deadline_ms' "
+    "(sampling_parameters) or the server's request_timeout_s"
+)
+"""The error (``unavailable``: Triton has no deadline code) of a request past its deadline."""
 
 
 class Sink(Protocol):
@@ -61,6 +68,8 @@ class EngineLoop:
         self.cancel_poll_s = cancel_poll_s
         self._inbox: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
+        self._deadlines: dict[str, float] = {}
+        """``time.monotonic()`` deadlines of the requests in ``_sinks`` that have one."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
         self._draining: str | None = None
@@ -89,11 +98,18 @@ class EngineLoop:
         self._inbox.put(None)
 
     def add_request(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Sink,
+        deadline: float | None = None,
     ) -> None:
+        """``deadline`` (``time.monotonic()``): past it the request ends with ``TIMED_OUT``."""
+
         def command(engine: Engine) -> None:
             engine.add_request(rid, prompt_ids, params)
-            self._sinks[rid] = sink
+            self._track(rid, sink, deadline)
 
         self._submit(command, sink)
 
@@ -106,14 +122,26 @@ class EngineLoop:
         seed: int,
         source: KVSource,
         sink: Sink,
+        deadline: float | None = None,
     ) -> None:
+        """A request whose prompt another engine computed; ``deadline`` as in ``add_request``."""
+
         def command(engine: Engine) -> None:
             out = engine.add_prefilled(rid, prompt_ids, params, first_token, seed, source)
             if not out.finished:
-                self._sinks[rid] = sink
+                self._track(rid, sink, deadline)
             sink.send(out)
 
         self._submit(command, sink)
+
+    def _track(self, rid: str, sink: Sink, deadline: float | None) -> None:
+        self._sinks[rid] = sink
+        if deadline is not None:
+            self._deadlines[rid] = deadline
+
+    def _untrack(self, rid: str) -> Sink:
+        self._deadlines.pop(rid, None)
+        return self._sinks.pop(rid)
 
     def call(self, fn: Command) -> None:
         """Run ``fn(engine)`` on the loop thread between steps."""
@@ -142,8 +170,15 @@ class EngineLoop:
         for rid, sink in list(self._sinks.items()):
             if sink.cancelled():
                 self.engine.abort(rid)
-                del self._sinks[rid]
+                self._untrack(rid)
                 sink.send(self._cancelled_output(rid))
+
+    def _expire(self) -> None:
+        """End the requests past their deadline, wherever they are, and free their blocks."""
+        now = time.monotonic()
+        for rid in [rid for rid, deadline in self._deadlines.items() if deadline <= now]:
+            self.engine.abort(rid)
+            self._untrack(rid).fail(TIMED_OUT, "unavailable")
 
     @staticmethod
     def _cancelled_output(rid: str) -> RequestOutput:
@@ -158,6 +193,8 @@ class EngineLoop:
             if time.monotonic() - last_poll >= self.cancel_poll_s:
                 self._poll_cancelled()
                 last_poll = time.monotonic()
+            if self._deadlines:
+                self._expire()
             if self.after_step is not None:
                 self.after_step(self)
             if not self.engine.has_unfinished():
@@ -188,7 +225,7 @@ class EngineLoop:
             if sink is None:
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
+                self._untrack(out.request_id)
             sink.send(out)
 
     def _fail_all(self, message: str, kind: str) -> None:
@@ -196,3 +233,4 @@ class EngineLoop:
             self.engine.abort(rid)
             sink.fail(message, kind)
         self._sinks.clear()
+        self._deadlines.clear()

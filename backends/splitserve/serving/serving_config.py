@@ -45,6 +45,8 @@ class ServingConfig:
     max_queue: int = 1024
     """Requests an ``llm``/``llm_colocated`` instance holds beyond its running batch (waiting
     for prefill, KV blocks or a batch slot); more are refused with UNAVAILABLE. 0: no bound."""
+    request_timeout_s: float | None = None
+    """Seconds a request may take if it gives no ``timeout``/``deadline_ms``; None: no limit."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -63,6 +65,8 @@ class ServingConfig:
                 raise ValueError(f"{name} must be positive")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0: no bound)")
+        if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
+            raise ValueError("request_timeout_s must be positive and finite (or None: no deadline)")
         parse_core_sets(self.cpu_cores)
         borrows = self.role == "decode" and bool(self.core_lock)
         if self.lent_cores and not borrows:

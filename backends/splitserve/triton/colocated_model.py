@@ -15,4 +15,4 @@ class ColocatedModel(GenerateModelBase):
             taken = self.intake(request)
             if taken is not None:
                 prep, sink, rid = taken
-                self.loop.add_request(rid, prep.prompt_ids, prep.gen.params, sink)
+                self.loop.add_request(rid, prep.prompt_ids, prep.gen.params, sink, prep.deadline)

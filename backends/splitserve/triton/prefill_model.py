@@ -26,7 +26,25 @@ from splitserve.triton.tensors import error_response
 log = logging.getLogger(__name__)
 
 
+def _request_id(request: Any) -> str | None:
+    """The request id input as text; None unless it is one UTF-8 string."""
+    tensor = pb_utils.get_input_tensor_by_name(request, bls_contract.REQUEST_ID)
+    if tensor is None:
+        return None
+    ids = tensor.as_numpy().reshape(-1)
+    try:
+        return bytes(ids[0]).decode() if ids.size == 1 else None
+    except (TypeError, UnicodeDecodeError):
+        return None
+
+
 def _parse(request: Any, key: bytes) -> Request:
+    # The tag first: a caller without the key learns nothing about its inputs. A request id that
+    # cannot be read cannot carry a valid tag, and fails with the very same error.
+    rid = _request_id(request)
+    bls_contract.check_auth(key, rid or "", request.parameters() if rid is not None else "")
+    assert rid is not None  # check_auth refused a call without one
+
     def get(name: str) -> np.ndarray:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         if tensor is None:
@@ -38,13 +56,8 @@ def _parse(request: Any, key: bytes) -> Request:
 
     ids = [int(t) for t in get(bls_contract.INPUT_IDS)]
     params = bls_contract.params_from_json(bytes(get(bls_contract.PARAMS)[0]))
-    try:
-        rid = bytes(get(bls_contract.REQUEST_ID)[0]).decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"input '{bls_contract.REQUEST_ID}' is not valid UTF-8") from None
     req = Request(rid, ids, params)
     req.seed = int(get(bls_contract.SEED)[0])
-    bls_contract.check_auth(key, rid, request.parameters())
     return req
 
 

@@ -138,6 +138,8 @@ class GenerateModelBase:
                 self.parts.tokenizer,
                 self.parts.max_model_len,
                 self.cfg.default_max_tokens,
+                self.cfg.request_timeout_s,
+                arrival,
             )
         except InputError as exc:
             self.stats.error("invalid")
