@@ -36,7 +36,7 @@ from splitserve.engine.prompt_pass import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.engine_config import EngineConfig
 from splitserve.serving.affinity import parse_cores
-from splitserve_tools.bench.workloads import workload_lengths
+from splitserve_tools.workload.lengths import workload_lengths
 
 CLI = (sys.executable, "-m", "splitserve_tools.cli")
 OUT = Path(__file__).resolve().parents[1] / "out" / "interference"

@@ -29,7 +29,7 @@ from splitserve.engine_config import EngineConfig
 from splitserve.kv.layout import KVLayout
 from splitserve_client.generate import GenerateArgs
 from splitserve_client.stream import RequestRecord, stream_generate
-from splitserve_tools.bench.transfer import bench_handoff
+from splitserve_tools.planner.handoff_timing import bench_handoff
 
 
 def median(values: list[float]) -> float:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from bench_common import checkpoint
 
+from splitserve_tools.plan_calibrate import CalibrateOptions, calibrate
 from splitserve_tools.planner.commands import (
     QUICK_POINTS,
     build_profile,
@@ -35,11 +36,11 @@ from splitserve_tools.planner.commands import (
 )
 from splitserve_tools.planner.measure import Points
 from splitserve_tools.planner.plan import Plan
-from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
 from splitserve_tools.planner.profile import Profile, ServingOverhead
-from splitserve_tools.planner.search import SLO, default_placement, goodput, search
+from splitserve_tools.planner.search import default_placement, goodput, search
 from splitserve_tools.planner.served_plan import served
 from splitserve_tools.planner.simulate import Traffic, run
+from splitserve_tools.workload.slo import SLO
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = (sys.executable, "-m", "splitserve_tools.cli")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from splitserve.deploy.launcher import free_ports
+from splitserve_tools.plan_calibrate import CalibrateOptions, calibrate
 from splitserve_tools.planner.calibrate import GRID
 from splitserve_tools.planner.commands import QUICK_POINTS, build_profile
-from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
 from splitserve_tools.planner.profile import Profile
 from splitserve_tools.planner.served_plan import Ports
 

@@ -1,5 +1,6 @@
 """torch builds the CPU kernels by running ``ninja`` from PATH; the ``ninja`` wheel's binary sits in
-the venv's ``bin``, which is not on PATH when the venv is not activated (issue 23)."""
+the venv's ``bin``, which is not on PATH when the venv is not activated, and every process must
+use the same one."""
 
 from __future__ import annotations
 
@@ -32,11 +33,24 @@ def test_a_ninja_beside_the_interpreter_goes_on_path(
     assert shutil.which("ninja") == str(bin_dir / "ninja")
 
 
-def test_a_ninja_already_on_path_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_wheels_ninja_goes_first_even_with_another_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stubs (PATH starts with the venv) and callers must run one ninja: two versions read each
+    other's build log as stale and rebuild every object."""
     on_path = fake_ninja(tmp_path / "usr" / "bin")
-    other = fake_ninja(tmp_path / "venv" / "bin")
+    wheel = fake_ninja(tmp_path / "venv" / "bin")
     monkeypatch.setenv("PATH", str(on_path))
-    monkeypatch.setattr(cpu, "_ninja_dirs", lambda: [other])
+    monkeypatch.setattr(cpu, "_ninja_dirs", lambda: [wheel])
+    cpu.ensure_ninja()
+    cpu.ensure_ninja()
+    assert os.environ["PATH"] == os.pathsep.join([str(wheel), str(on_path)])
+
+
+def test_without_the_wheel_path_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    on_path = fake_ninja(tmp_path / "usr" / "bin")
+    monkeypatch.setenv("PATH", str(on_path))
+    monkeypatch.setattr(cpu, "_ninja_dirs", lambda: [tmp_path / "nowhere"])
     cpu.ensure_ninja()
     assert os.environ["PATH"] == str(on_path)
 

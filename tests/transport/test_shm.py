@@ -18,7 +18,7 @@ from splitserve.transport.channel import RELEASE, encode_message
 from splitserve.transport.key import generate_key
 from splitserve.transport.leased import contiguous_runs
 from splitserve.transport.shm import ShmTransport
-from splitserve_tools.bench.transfer import bench_handoff
+from splitserve_tools.planner.handoff_timing import bench_handoff
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 KEY = generate_key()

@@ -8,11 +8,12 @@ import time
 import pytest
 
 from splitserve_client.stream import RequestRecord
-from splitserve_tools.bench.arrivals import arrival_times
 from splitserve_tools.bench.goodput import search_goodput
-from splitserve_tools.bench.metrics import SLO
+from splitserve_tools.bench.requests import Request
 from splitserve_tools.bench.runner import Schedule, run_schedule
-from splitserve_tools.bench.workloads import Request
+from splitserve_tools.workload.arrivals import arrival_times
+from splitserve_tools.workload.search import SearchSettings
+from splitserve_tools.workload.slo import SLO
 
 REQ = Request("hi", 2, 4)
 THRESHOLD = 50.0
@@ -115,10 +116,7 @@ def test_search_converges_on_the_threshold() -> None:
             target,
             schedule_for,
             SLO(0.5, 0.01),
-            rate_min=20,
-            rate_max=800,
-            max_probes=12,
-            rel_tol=0.02,
+            SearchSettings(20, 800, max_probes=12, rel_tol=0.02),
             progress=False,
         )
     )
@@ -143,7 +141,11 @@ def test_search_edges() -> None:
     def search(ttft_slo: float) -> tuple[float, list[float]]:
         found = asyncio.run(
             search_goodput(
-                target, schedule_for, SLO(ttft_slo, 1.0), rate_min=100, rate_max=400, progress=False
+                target,
+                schedule_for,
+                SLO(ttft_slo, 1.0),
+                SearchSettings(100, 400, max_probes=8),
+                progress=False,
             )
         )
         return found.goodput_rps, [p.rate for p in found.probes]
@@ -164,9 +166,7 @@ def test_goodput_of_a_saturating_target() -> None:
             target,
             schedule_for,
             SLO(0.012, 0.003),
-            rate_min=100,
-            rate_max=3000,
-            max_probes=5,
+            SearchSettings(100, 3000, max_probes=5),
             progress=False,
         )
     )

@@ -8,7 +8,8 @@ import pytest
 
 from splitserve_client.stream import RequestRecord
 from splitserve_tools.bench.goodput import slo_scale_sweep
-from splitserve_tools.bench.metrics import SLO, attainment, meets, percentiles, summarize
+from splitserve_tools.bench.metrics import percentiles, records_attainment, summarize
+from splitserve_tools.workload.slo import SLO
 
 
 def record(ttft: float, tpot: float, tokens: int) -> RequestRecord:
@@ -23,13 +24,12 @@ def test_record_timings() -> None:
     assert r.e2e == pytest.approx(0.7)
 
 
-def test_meets_needs_both_targets() -> None:
+def test_a_record_meets_both_targets_or_misses() -> None:
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
-    assert meets(record(0.9, 0.04, 5), slo)
-    assert meets(record(1.0, 0.05, 5), slo)  # on the line is met
-    assert not meets(record(1.1, 0.04, 5), slo)
-    assert not meets(record(0.9, 0.06, 5), slo)
-    assert meets(record(0.9, 9.0, 1), slo)  # one token: no TPOT to miss
+    met = [record(0.9, 0.04, 5), record(1.0, 0.05, 5), record(0.9, 9.0, 1)]
+    missed = [record(1.1, 0.04, 5), record(0.9, 0.06, 5)]
+    assert records_attainment(met, slo) == 1.0  # on the line is met; one token has no TPOT
+    assert records_attainment(missed, slo) == 0.0
 
 
 def test_errors_and_empty_streams_miss() -> None:
@@ -37,16 +37,16 @@ def test_errors_and_empty_streams_miss() -> None:
     err = record(0.1, 0.01, 3)
     err.error = "boom"
     empty = RequestRecord(start=0.0, end=1.0)
-    assert not meets(err, slo) and not meets(empty, slo)
-    assert attainment([record(0.1, 0.01, 3), err, empty, record(0.2, 0.01, 3)], slo) == 0.5
+    assert records_attainment([err], slo) == 0.0 and records_attainment([empty], slo) == 0.0
+    assert records_attainment([record(0.1, 0.01, 3), err, empty, record(0.2, 0.01, 3)], slo) == 0.5
 
 
 def test_attainment_fraction() -> None:
     records = [record(0.1 * i, 0.01, 4) for i in range(1, 11)]  # TTFT 0.1 .. 1.0
-    assert attainment(records, SLO(0.5, 0.1)) == pytest.approx(0.5)
-    assert attainment(records, SLO(1.0, 0.1)) == 1.0
-    assert attainment(records, SLO(1.0, 0.005)) == 0.0
-    assert attainment([], SLO(1.0, 1.0)) == 0.0
+    assert records_attainment(records, SLO(0.5, 0.1)) == pytest.approx(0.5)
+    assert records_attainment(records, SLO(1.0, 0.1)) == 1.0
+    assert records_attainment(records, SLO(1.0, 0.005)) == 0.0
+    assert records_attainment([], SLO(1.0, 1.0)) == 0.0
 
 
 def test_percentiles() -> None:

@@ -11,10 +11,11 @@ import pytest
 from splitserve_client.stream import RequestRecord
 from splitserve_tools.bench import target as target_module
 from splitserve_tools.bench.goodput import Probe
-from splitserve_tools.bench.metrics import SLO, summarize
+from splitserve_tools.bench.metrics import summarize
 from splitserve_tools.bench.report import TargetResult, build_report, write_json, write_plots
-from splitserve_tools.bench.workloads import Request
+from splitserve_tools.bench.requests import Request
 from splitserve_tools.cli import parser
+from splitserve_tools.workload.slo import SLO
 
 SLO_ = SLO(0.2, 0.02)
 REQUESTS = [Request("x" * i, i + 1, 5) for i in range(1, 11)]
@@ -45,8 +46,7 @@ def results() -> list[TargetResult]:
 
 def test_report_json(tmp_path: Path) -> None:
     report = build_report(
-        results(), workload="chatbot", requests=REQUESTS, slo=SLO_, min_attainment=0.9,
-        config={"seed": 0},
+        results(), workload="chatbot", requests=REQUESTS, slo=SLO_, config={"seed": 0},
     )  # fmt: skip
     path = tmp_path / "out" / "bench.json"
     write_json(report, path)
@@ -68,7 +68,7 @@ def test_report_json(tmp_path: Path) -> None:
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
-    paths = write_plots(results(), SLO_, 0.9, tmp_path / "plots")
+    paths = write_plots(results(), SLO_, tmp_path / "plots")
     names = {"attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png", "slo_scale.png"}
     assert {p.name for p in paths} == names
     for p in paths:

@@ -6,8 +6,9 @@ from test_planner_profile import synthetic_profile
 
 from splitserve_tools.planner.fit import DecodeFit, DecodeRange, PrefillFit
 from splitserve_tools.planner.placement import Limits, Placement, Role
-from splitserve_tools.planner.search import SLO, default_placement, goodput, search, splits
+from splitserve_tools.planner.search import default_placement, goodput, search, splits
 from splitserve_tools.planner.simulate import Traffic, run
+from splitserve_tools.workload.slo import SLO
 
 TRAFFIC = Traffic.of_workload("chatbot", 120, 2048, seed=0)
 

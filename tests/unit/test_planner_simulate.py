@@ -8,16 +8,24 @@ import numpy as np
 import pytest
 from test_planner_profile import synthetic_profile
 
+from splitserve_tools.planner import simulate
 from splitserve_tools.planner.fit import DecodeFit, DecodeRange, PrefillFit
 from splitserve_tools.planner.placement import Limits, Placement, Role
 from splitserve_tools.planner.profile import ServingOverhead
-from splitserve_tools.planner.simulate import Traffic, run
+from splitserve_tools.planner.simulate import Traffic, pool_blocks, run
 
 ONE_BY_ONE = Limits(prefill_max_batch_size=1, prefill_queue_delay_s=0.0)
 
 
 def disagg(prefill: int = 1, decode: int = 1, limits: Limits = ONE_BY_ONE) -> Placement:
     return Placement("disagg", prefill=Role(prefill, 1), decode=Role(decode, 1), limits=limits)
+
+
+def placement(mode: str, limits: Limits) -> Placement:
+    """One device per role."""
+    if mode == "disagg":
+        return disagg(limits=limits)
+    return Placement("colocated", colocated=Role(1, 1), limits=limits)
 
 
 def test_prefill_queue_is_md1() -> None:
@@ -105,3 +113,21 @@ def test_a_streamed_token_costs_a_cpu_step_once_per_core_of_the_instance() -> No
         profile = synthetic_profile(decode=decode, units=(1, 2), serving=serving, device=device)
         wide = run(profile, Placement("colocated", colocated=Role(1, 2)), traffic, 1.0)
         assert wide.tpot[0] == pytest.approx(0.02 + per_token)
+
+
+def test_a_pool_larger_than_the_run_needs_simulates_like_one_just_big_enough(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulated pool is capped at what every request of the run holds at once; a larger
+    pool refuses no block either, so the run is the same."""
+    profile = synthetic_profile()
+    traffic = Traffic.of_workload("chatbot", 60, 2048, seed=6)
+    need = pool_blocks(profile, Limits().kv_cache_bytes, traffic.lengths)
+    assert need == sum(-(-(i + o) // 16) for i, o in traffic.lengths)
+    for mode in ("disagg", "colocated"):
+        capped = run(profile, placement(mode, Limits()), traffic, 8.0)
+        with monkeypatch.context() as patch:
+            patch.setattr(simulate, "pool_blocks", lambda *_: 4 * need)
+            larger = run(profile, placement(mode, Limits()), traffic, 8.0)
+        np.testing.assert_array_equal(capped.ttft, larger.ttft)
+        np.testing.assert_array_equal(capped.e2e, larger.e2e)

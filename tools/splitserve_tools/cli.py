@@ -8,7 +8,7 @@ import logging
 
 from splitserve.cli import add_runtime_parsers
 from splitserve_tools.bench.bench_cli import add_bench_parser
-from splitserve_tools.planner.plan_cli import add_plan_parsers
+from splitserve_tools.plan_cli import add_plan_parsers
 
 
 def parser() -> argparse.ArgumentParser:

@@ -19,7 +19,6 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -92,12 +91,15 @@ def _ninja_dirs() -> list[Path]:
 
 
 def ensure_ninja() -> None:
-    """torch runs ``ninja`` from PATH: put the ``ninja`` wheel's on it where PATH has none."""
-    if shutil.which("ninja"):
-        return
+    """torch runs ``ninja`` from PATH: put the ``ninja`` wheel's first, so that every process
+    (the server's stubs, whose PATH starts with the venv, and a caller's) builds with the same
+    ninja; two versions read each other's build log as stale and rebuild everything. Without
+    the wheel, whatever ninja PATH has."""
     for where in _ninja_dirs():
         if (where / "ninja").is_file() and os.access(where / "ninja", os.X_OK):
-            os.environ["PATH"] = os.pathsep.join([str(where), os.environ.get("PATH", "")])
+            path = os.environ.get("PATH", "")
+            if not path.startswith(f"{where}{os.pathsep}"):
+                os.environ["PATH"] = os.pathsep.join([str(where), path])
             return
 
 

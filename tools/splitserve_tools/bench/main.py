@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitserve_tools.bench.arrivals import arrival_times
 from splitserve_tools.bench.goodput import Probe, probe, search_goodput, slo_scale_sweep
-from splitserve_tools.bench.metrics import SLO
 from splitserve_tools.bench.prompts import load_bench_tokenizer, prompt_maker
 from splitserve_tools.bench.report import TargetResult, build_report, write_json, write_plots
+from splitserve_tools.bench.requests import Request, make_requests
 from splitserve_tools.bench.runner import Schedule
 from splitserve_tools.bench.target import make_target
-from splitserve_tools.bench.workloads import Request, make_requests, workload_lengths
+from splitserve_tools.workload.arrivals import arrival_times
+from splitserve_tools.workload.lengths import workload_lengths
+from splitserve_tools.workload.search import SearchSettings
+from splitserve_tools.workload.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -74,16 +76,8 @@ async def _bench_target(
         goodput: float | None = None
         probes: list[Probe]
         if opts.goodput:
-            found = await search_goodput(
-                target,
-                schedule_for,
-                slo,
-                rate_min=opts.rate_min,
-                rate_max=opts.rate_max,
-                min_attainment=opts.attainment,
-                max_probes=opts.max_probes,
-                progress=opts.progress,
-            )
+            settings = SearchSettings(opts.rate_min, opts.rate_max, max_probes=opts.max_probes)
+            found = await search_goodput(target, schedule_for, slo, settings, opts.progress)
             goodput, probes = found.goodput_rps, found.probes
         else:
             assert opts.rate is not None
@@ -102,7 +96,7 @@ async def run_bench(opts: BenchOptions) -> dict[str, Any]:
     writes it / the plots where asked."""
     if not opts.goodput and opts.rate is None:
         raise ValueError("give --rate, or --goodput to search for it")
-    slo = SLO(opts.ttft_slo, opts.tpot_slo)
+    slo = SLO(opts.ttft_slo, opts.tpot_slo, opts.attainment)
     requests = build_requests(opts)
     results = [await _bench_target(spec, opts, requests, slo) for spec in opts.targets]
     config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()}
@@ -111,13 +105,12 @@ async def run_bench(opts: BenchOptions) -> dict[str, Any]:
         workload=opts.workload,
         requests=requests,
         slo=slo,
-        min_attainment=opts.attainment,
         config=config,
     )
     if opts.json_path is not None:
         write_json(report, opts.json_path)
     if opts.plot_dir is not None:
-        write_plots(results, slo, opts.attainment, opts.plot_dir)
+        write_plots(results, slo, opts.plot_dir)
     return report
 
 

@@ -9,33 +9,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitserve_client.stream import RequestRecord
+from splitserve_tools.workload.slo import SLO, attainment
 
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
-
-    def scaled(self, factor: float) -> SLO:
-        return SLO(self.ttft_s * factor, self.tpot_s * factor)
 
 
 def failed(record: RequestRecord) -> bool:
     return record.error is not None or not record.token_times
 
 
-def meets(record: RequestRecord, slo: SLO) -> bool:
-    """Both targets met; a failed request misses, a one-token request has no TPOT to miss."""
-    if failed(record):
-        return False
-    return record.ttft <= slo.ttft_s and (math.isnan(record.tpot) or record.tpot <= slo.tpot_s)
-
-
-def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
-    """Fraction of all requests (failures included) that met both SLOs."""
-    return sum(meets(r, slo) for r in records) / len(records) if records else 0.0
+def records_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
+    """Share of all requests (failures included) that met both SLOs."""
+    return attainment(
+        [r.ttft for r in records], [r.tpot for r in records], [not failed(r) for r in records], slo
+    )
 
 
 def percentiles(values: Sequence[float]) -> dict[int, float]:
@@ -77,7 +64,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float) -> 
     return Summary(
         num_requests=len(records),
         errors=len(records) - len(ok),
-        attainment=attainment(records, slo),
+        attainment=records_attainment(records, slo),
         ttft=percentiles([r.ttft for r in ok]),
         tpot=percentiles([r.tpot for r in ok]),
         e2e=percentiles([r.e2e for r in ok]),

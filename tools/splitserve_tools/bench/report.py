@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from splitserve_tools.bench.goodput import Probe
-from splitserve_tools.bench.metrics import SLO, failed
-from splitserve_tools.bench.workloads import Request
+from splitserve_tools.bench.metrics import failed
+from splitserve_tools.bench.requests import Request
+from splitserve_tools.workload.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def _clean(value: Any) -> Any:
 
 
 def _run_entry(
-    result: TargetResult, p: Probe, workload: str, requests: Sequence[Request], min_att: float
+    result: TargetResult, p: Probe, workload: str, requests: Sequence[Request], slo: SLO
 ) -> dict[str, Any]:
     return {
         "target": result.target,
@@ -53,7 +54,7 @@ def _run_entry(
         "rate": p.rate,
         "duration_s": p.duration_s,
         **p.summary.flat(),
-        "meets_attainment": p.summary.attainment >= min_att,
+        "meets_attainment": p.summary.attainment >= slo.attainment,
         "requests": [
             {
                 "input_len": req.input_len,
@@ -75,10 +76,9 @@ def build_report(
     workload: str,
     requests: Sequence[Request],
     slo: SLO,
-    min_attainment: float,
     config: dict[str, Any],
 ) -> dict[str, Any]:
-    runs = [_run_entry(r, p, workload, requests, min_attainment) for r in results for p in r.probes]
+    runs = [_run_entry(r, p, workload, requests, slo) for r in results for p in r.probes]
     summary = [
         {
             "target": r.target,
@@ -95,7 +95,7 @@ def build_report(
     return _clean(
         {
             "config": config,
-            "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": min_attainment},
+            "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
             "runs": runs,
             "summary": summary,
         }
@@ -107,9 +107,7 @@ def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
 
 
-def write_plots(
-    results: Sequence[TargetResult], slo: SLO, min_attainment: float, out_dir: Path
-) -> list[Path]:
+def write_plots(results: Sequence[TargetResult], slo: SLO, out_dir: Path) -> list[Path]:
     """attainment_vs_rate.png, ttft_cdf.png, tpot_cdf.png (and slo_scale.png after a sweep)."""
     import matplotlib
 
@@ -125,7 +123,7 @@ def write_plots(
         ax.plot(
             [p.rate for p in probes], [p.summary.attainment for p in probes], "o-", label=r.target
         )
-    ax.axhline(min_attainment, color="grey", ls="--", lw=1)
+    ax.axhline(slo.attainment, color="grey", ls="--", lw=1)
     ax.set(
         xlabel="rate (req/s)",
         ylabel="SLO attainment",
@@ -159,7 +157,7 @@ def write_plots(
                     "o-",
                     label=f"{r.target} @ {r.main.rate:.3g} req/s",
                 )
-        ax.axhline(min_attainment, color="grey", ls="--", lw=1)
+        ax.axhline(slo.attainment, color="grey", ls="--", lw=1)
         ax.set(xlabel="SLO scale", ylabel="SLO attainment", ylim=(-0.02, 1.02))
         ax.legend()
         written.append(_save(fig, out_dir / "slo_scale.png"))

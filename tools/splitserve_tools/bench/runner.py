@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from splitserve_client.stream import RequestRecord
+from splitserve_tools.bench.requests import Request
 from splitserve_tools.bench.target import Target
-from splitserve_tools.bench.workloads import Request
 
 MAX_IN_FLIGHT = 2048
 """A safety cap on open streams, far above what a benchmark should reach."""

@@ -6,8 +6,11 @@
 - ``cores``: profiling at several core counts, one pinned subprocess each.
 - ``gpu_model``: a modelled GPU profile from bandwidth and FLOP rate (labelled as modelled).
 - ``placement``: one candidate deployment (instances, units per instance, batching limits).
-- ``instances``: the step model of a prefill pool and of an engine instance.
+- ``step_model``: the cost runner: an instance's step time from the fits.
+- ``prefill_pool``: the prefill instances behind Triton's dynamic batcher, simulated.
+- ``instances``: an engine instance simulated by driving the engine's own scheduler.
 - ``simulate``: discrete-event simulation of a placement under a workload.
-- ``search``: goodput by bisection over rate, enumeration and ranking of placements.
+- ``search``: goodput of a placement (the workload's search over simulated runs), enumeration
+  and ranking of placements.
 - ``plan``: ``plan.json`` and its conversion to a deployment spec.
 """

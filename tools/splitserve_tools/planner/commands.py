@@ -14,8 +14,9 @@ from splitserve_tools.planner.measure import Points
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.plan import Plan
 from splitserve_tools.planner.profile import Profile, ServingOverhead
-from splitserve_tools.planner.search import SLO, Candidate, default_placement, goodput, search
+from splitserve_tools.planner.search import Candidate, default_placement, goodput, search
 from splitserve_tools.planner.simulate import Traffic
+from splitserve_tools.workload.slo import SLO
 
 QUICK_POINTS = Points(
     prefill_lengths=(16, 64),

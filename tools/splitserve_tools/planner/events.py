@@ -1,44 +1,29 @@
-"""The clock and event queue of the simulation, and the state of one simulated request."""
+"""The clock and event queue of the simulation, and the timeline of one simulated request."""
 
 from __future__ import annotations
 
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)
 class SimRequest:
+    """One request of the run: its lengths, and when its first and last tokens went out."""
+
     idx: int
     arrival: float
     input_len: int
     output_len: int
-    generated: int = 0
-    """Tokens sampled so far (the first comes from the prompt pass)."""
-    computed: int = 0
-    """Tokens whose KV is in the pool of the engine that holds the request."""
     first: float = math.nan
     last: float = math.nan
-    epoch: int = 0
-    """Bumped when the request is preempted, so stale completion entries are skipped."""
-    join_step: int = 0
-    release: Callable[[], None] | None = field(default=None, repr=False)
-    """Frees the request's KV on the prefill instance once decode has pulled it."""
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_len + self.generated
-
-    @property
-    def done(self) -> bool:
-        return self.generated >= self.output_len
-
-    def emit(self, now: float) -> None:
-        self.generated += 1
+    def sent(self, now: float, finished: bool) -> None:
+        """A token of this request went out at ``now``."""
         if math.isnan(self.first):
             self.first = now
-        if self.done:
+        if finished:
             self.last = now
 
 

@@ -227,7 +227,7 @@ def measure_handoff(layout: KVLayout, device: str, sizes: tuple[int, ...] = (1, 
     for blocks in sizes:
         nbytes = blocks * layout.block_bytes
         if device == "cpu":
-            from splitserve_tools.bench.transfer import bench_handoff
+            from splitserve_tools.planner.handoff_timing import bench_handoff
 
             seconds = bench_handoff(blocks, layout, repeats=3)["fetch_s"]
         else:

@@ -94,7 +94,6 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     from splitserve.model import is_tiny
     from splitserve.model.hf_config import ModelConfig
     from splitserve.model.tiny import tiny_config
-    from splitserve_tools.bench.workloads import workload_lengths
     from splitserve_tools.planner.ceiling import Lengths, ceilings
     from splitserve_tools.planner.ceiling_report import (
         ceiling_dict,
@@ -103,6 +102,7 @@ def cmd_plan_ceiling(args: argparse.Namespace) -> None:
     )
     from splitserve_tools.planner.profile import Profile
     from splitserve_tools.planner.roofline import engine_costs, roofline_costs
+    from splitserve_tools.workload.lengths import workload_lengths
 
     measured = resolve(args)
     profile = Profile.load(args.profile)

@@ -1,11 +1,12 @@
 """Goodput of a placement on the simulator, and the search over placements.
 
 Goodput is DistServe's: the highest rate at which ``attainment`` of the requests meet both
-SLOs. It is found by doubling (or halving) the rate from a first guess until the answer
-changes, then bisecting geometrically to ``rel_tol``. Placements use exactly the devices given
-(cores or GPUs); they are ranked by goodput per device, so budgets of different sizes compare.
-The search runs in two rounds: every split of the devices with the default batching limits,
-then the batching limits on the best splits of each mode.
+SLOs, found by the search the bench uses too (``splitserve_tools.workload.search``) over
+simulated runs: from a first guess in a wide range, doubling or halving the rate until the
+answer changes, then bisecting geometrically to ``rel_tol``. Placements use exactly the
+devices given (cores or GPUs); they are ranked by goodput per device, so budgets of different
+sizes compare. The search runs in two rounds: every split of the devices with the default
+batching limits, then the batching limits on the best splits of each mode.
 """
 
 from __future__ import annotations
@@ -19,13 +20,8 @@ from tqdm import tqdm
 from splitserve_tools.planner.placement import Limits, Placement, Role
 from splitserve_tools.planner.profile import Profile
 from splitserve_tools.planner.simulate import Traffic, run
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
-    attainment: float = 0.9
+from splitserve_tools.workload.search import SearchSettings, find_goodput
+from splitserve_tools.workload.slo import SLO
 
 
 @dataclass(frozen=True)
@@ -58,37 +54,11 @@ def goodput(
 ) -> Candidate:
     """Goodput within [``min_rate``, ``max_rate``]: ``max_rate`` if it passes there, 0 if
     nothing from ``min_rate`` up passes."""
-    curve: dict[float, float] = {}
-
-    def passes(rate: float) -> bool:
-        curve[rate] = attainment_at(profile, placement, traffic, slo, rate)
-        return curve[rate] >= slo.attainment
-
-    rate = min(first_rate, max_rate)
-    if passes(rate):
-        lo = rate
-        while True:
-            up = min(lo * 2, max_rate)
-            if up <= lo:
-                return Candidate(placement, lo, tuple(sorted(curve.items())))
-            if not passes(up):
-                hi = up
-                break
-            lo = up
-    else:
-        hi = rate
-        while not passes(hi / 2):
-            hi /= 2
-            if hi < min_rate:
-                return Candidate(placement, 0.0, tuple(sorted(curve.items())))
-        lo = hi / 2
-    while hi / lo > 1 + rel_tol:
-        mid = (lo * hi) ** 0.5
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
-    return Candidate(placement, lo, tuple(sorted(curve.items())))
+    settings = SearchSettings(min_rate, max_rate, start=first_rate, rel_tol=rel_tol)
+    found = find_goodput(
+        lambda rate: attainment_at(profile, placement, traffic, slo, rate), slo.attainment, settings
+    )
+    return Candidate(placement, found.goodput_rps, tuple(sorted(dict(found.probes).items())))
 
 
 def splits(profile: Profile, devices: int) -> list[Placement]:

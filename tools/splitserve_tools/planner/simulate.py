@@ -3,10 +3,11 @@
 Disaggregated: a request arrives at ``llm`` (instances taken in turn), waits ``request_s`` (the
 adapter and the BLS call), queues at ``prefill``; when its prefill batch ends, its decode
 instance sends the first token between two steps, pulls the KV when it has room and streams
-the rest. Colocated: the
-request queues at an ``llm_colocated`` instance (in turn) whose engine mixes its prompt pass
-with the running decodes. Traffic is the bench's: the same length distributions and arrival
-processes, with the same seeds, so a simulated run predicts a measured one request for request.
+the rest. Colocated: the request queues at an ``llm_colocated`` instance (in turn) whose engine
+mixes its prompt pass with the running decodes. Every engine instance is driven by the
+engine's own scheduler (``instances``). Traffic is the bench's (``splitserve_tools.workload``):
+the same length distributions and arrival processes, with the same seeds, so a simulated run
+predicts a measured one request for request.
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import cycle
 
 import numpy as np
 
-from splitserve_tools.bench.arrivals import arrival_times
-from splitserve_tools.bench.workloads import workload_lengths
 from splitserve_tools.planner.events import Clock, SimRequest
-from splitserve_tools.planner.instances import EngineInstance, PrefillPool, StepModel
+from splitserve_tools.planner.instances import EngineInstance
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Placement, Role
+from splitserve_tools.planner.prefill_pool import PrefillPool
 from splitserve_tools.planner.profile import Profile
-
-PERCENTILES = (50, 90, 99)
+from splitserve_tools.planner.step_model import StepModel
+from splitserve_tools.workload.arrivals import arrival_times
+from splitserve_tools.workload.lengths import workload_lengths
+from splitserve_tools.workload.slo import SLO, attainment
 
 
 @dataclass(frozen=True)
@@ -84,18 +87,7 @@ class SimResult:
     output_len: np.ndarray
 
     def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
-        done = np.isfinite(self.e2e)
-        ttft_ok = self.ttft <= ttft_slo
-        tpot_ok = np.isnan(self.tpot) | (self.tpot <= tpot_slo)
-        return float(np.mean(done & ttft_ok & tpot_ok))
-
-    def percentiles(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)):
-            finite = values[np.isfinite(values)]
-            for p in PERCENTILES:
-                out[f"{name}_p{p}"] = float(np.percentile(finite, p)) if finite.size else math.nan
-        return out
+        return attainment(self.ttft, self.tpot, np.isfinite(self.e2e), SLO(ttft_slo, tpot_slo))
 
 
 def step_model(profile: Profile, role: Role) -> StepModel:
@@ -114,6 +106,15 @@ def step_model(profile: Profile, role: Role) -> StepModel:
     )
 
 
+def pool_blocks(profile: Profile, kv_cache_bytes: int, lengths: Sequence[tuple[int, int]]) -> int:
+    """Blocks of each instance's KV pool: as the engine sizes it, but no more than the run's
+    requests fill all at once. A larger pool refuses no block either, so it schedules the same;
+    allocating it would cost a GPU-sized simulation more than the run itself."""
+    block_size = profile.shape.block_size
+    served = max(1, kv_cache_bytes // (profile.shape.kv_bytes_per_token * block_size))
+    return min(served, sum(-(-(inp + out) // block_size) for inp, out in lengths))
+
+
 def simulate(
     profile: Profile, placement: Placement, lengths: Sequence[tuple[int, int]], times: np.ndarray
 ) -> list[SimRequest]:
@@ -126,12 +127,13 @@ def simulate(
         for i, ((inp, out), t) in enumerate(zip(lengths, times, strict=True))
     ]
     delay = profile.serving.request_s
+    blocks = pool_blocks(profile, lim.kv_cache_bytes, lengths)
 
     if placement.mode == "disagg":
         assert placement.prefill is not None and placement.decode is not None
         decode = placement.decode
         decoders = [
-            EngineInstance(clock, machine, decode.units, step_model(profile, decode), lim)
+            EngineInstance(clock, machine, decode.units, step_model(profile, decode), lim, blocks)
             for _ in range(decode.instances)
         ]
         owner: dict[int, EngineInstance] = {}
@@ -142,21 +144,23 @@ def simulate(
             placement.prefill.units,
             step_model(profile, placement.prefill),
             lim,
-            lambda req: owner[req.idx].add_prefilled(req),
+            blocks,
+            lambda req, release: owner[req.idx].add_prefilled(req, release),
         )
         turn = cycle(decoders)
         for req in reqs:
             owner[req.idx] = next(turn)
-            clock.at(req.arrival + delay, lambda req=req: pool.submit(req))
+            clock.at(req.arrival + delay, partial(pool.submit, req))
     else:
         assert placement.colocated is not None
         role = placement.colocated
         model = step_model(profile, role)
         engines = [
-            EngineInstance(clock, machine, role.units, model, lim) for _ in range(role.instances)
+            EngineInstance(clock, machine, role.units, model, lim, blocks)
+            for _ in range(role.instances)
         ]
         for req, engine in zip(reqs, cycle(engines)):
-            clock.at(req.arrival + delay, lambda req=req, e=engine: e.add_prompt(req))
+            clock.at(req.arrival + delay, partial(engine.add_prompt, req))
     clock.run()
     return reqs
 

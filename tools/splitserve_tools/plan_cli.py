@@ -51,8 +51,8 @@ def cmd_plan_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_plan_calibrate(args: argparse.Namespace) -> None:
+    from splitserve_tools.plan_calibrate import CalibrateOptions, calibrate
     from splitserve_tools.planner.commands import profile_lines
-    from splitserve_tools.planner.plan_calibrate import CalibrateOptions, calibrate
     from splitserve_tools.planner.profile import Profile
     from splitserve_tools.planner.served_plan import Ports
 
@@ -83,8 +83,8 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
         write_results,
     )
     from splitserve_tools.planner.profile import Profile
-    from splitserve_tools.planner.search import SLO
     from splitserve_tools.planner.simulate import Traffic
+    from splitserve_tools.workload.slo import SLO
 
     profile = Profile.load(args.profile)
     budgets = args.cores or args.gpus

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from splitserve_tools.bench.arrivals import arrival_times
+from splitserve_tools.workload.arrivals import arrival_times
 
 N = 200_000
 

@@ -1,4 +1,4 @@
-"""Request length distributions, and the requests (prompt of exact length + output length)."""
+"""Request length distributions of the workloads: (input_len, output_len) pairs."""
 
 from __future__ import annotations
 
@@ -6,17 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitserve_tools.bench.prompts import PromptMaker
-
 MIN_INPUT_LEN = 2
 """BOS and one token: an empty prompt is not a request."""
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_text: str
-    input_len: int
-    output_len: int
 
 
 @dataclass(frozen=True)
@@ -70,16 +61,6 @@ def fixed_lengths(
             f"input_len + output_len = {input_len + output_len} > max_model_len {max_model_len}"
         )
     return [(input_len, output_len)] * count
-
-
-def make_requests(
-    lengths: list[tuple[int, int]], make_prompt: PromptMaker, seed: int = 0
-) -> list[Request]:
-    """One request per length pair; prompt ``i`` is made with seed ``seed * 1_000_003 + i``."""
-    return [
-        Request(make_prompt(inp, seed * 1_000_003 + i), inp, out)
-        for i, (inp, out) in enumerate(lengths)
-    ]
 
 
 def workload_lengths(

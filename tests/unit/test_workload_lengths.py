@@ -1,20 +1,12 @@
-"""Workload length distributions and prompts of exact token length."""
+"""Workload length distributions: their shape, their fit to the model, their seeds."""
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 
-from splitserve.tokenizer import ByteTokenizer, load_tokenizer
-from splitserve_tools.bench.prompts import exact_prompts, prompt_maker
-from splitserve_tools.bench.workloads import (
-    MIN_INPUT_LEN,
-    WORKLOADS,
-    make_requests,
-    workload_lengths,
-)
+from splitserve_tools.workload.lengths import MIN_INPUT_LEN, WORKLOADS, workload_lengths
 
 # (input median range, output median range) at a 4096-token context.
 MEDIANS = {
@@ -64,19 +56,3 @@ def test_fixed_workload() -> None:
         workload_lengths("fixed", 3, 20, input_len=16, output_len=8)
     with pytest.raises(ValueError, match="--input-len"):
         workload_lengths("fixed", 3, 128)
-
-
-def test_requests_have_exact_byte_prompts() -> None:
-    tok = ByteTokenizer()
-    pairs = workload_lengths("code", 20, 512, seed=2)
-    requests = make_requests(pairs, prompt_maker(tok), seed=2)
-    assert [(r.input_len, r.output_len) for r in requests] == pairs
-    assert all(len(tok.encode(r.prompt_text)) == r.input_len for r in requests)
-    assert requests == make_requests(pairs, prompt_maker(tok), seed=2)
-
-
-def test_exact_prompts_with_a_bpe_tokenizer(llama32_ckpt: Path) -> None:
-    tok = load_tokenizer(llama32_ckpt)
-    for length in (2, 17, 300):
-        prompts = exact_prompts(tok, 3, length, seed=length)
-        assert [len(tok.encode(p)) for p in prompts] == [length] * 3

@@ -1,0 +1,112 @@
+"""The simulated engine instance runs the engine's own scheduler: its policy (preemption of the
+newest request, chunked prefill within the token budget, handed-over KV waiting for blocks)
+shows up in simulated time."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve_tools.planner.events import Clock, SimRequest
+from splitserve_tools.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
+from splitserve_tools.planner.instances import EngineInstance
+from splitserve_tools.planner.machine import Machine
+from splitserve_tools.planner.placement import Limits
+from splitserve_tools.planner.profile import Contention
+from splitserve_tools.planner.step_model import StepModel
+
+MODEL = StepModel(
+    prefill=PrefillFit(0.01, 1e-4, 0.0),
+    decode=DecodeFit((DecodeRange(1, 0.02, 1e-4, 0.0),)),
+    handoff=HandoffFit(1e-3, 1e10),
+    kv_bytes_per_token=1024,
+    block_size=16,
+    token_s=0.0,
+)
+
+Batch = tuple[list[str], list[tuple[str, int]]]
+"""One step as the scheduler chose it: the ids decoded, and (id, tokens) prefilled."""
+
+
+def instance(limits: Limits, blocks: int) -> tuple[Clock, EngineInstance, list[Batch]]:
+    """An engine instance alone on its device, and every step its scheduler schedules."""
+    clock = Clock()
+    engine = EngineInstance(clock, Machine(Contention(), 1), 1, MODEL, limits, blocks)
+    steps: list[Batch] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        out = schedule()
+        if not out.empty:
+            decodes = [r.request_id for r in out.decodes]
+            steps.append((decodes, [(r.request_id, n) for r, n in out.prefills]))
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    return clock, engine, steps
+
+
+def prefilled(steps: list[Batch], request_id: str) -> list[int]:
+    return [n for _, chunks in steps for rid, n in chunks if rid == request_id]
+
+
+def test_a_small_pool_preempts_the_newest_and_recomputes_it() -> None:
+    """Prompts that fit the pool together but outgrow it while decoding: the scheduler preempts,
+    the victim's prompt and tokens so far are computed again, and every request still ends
+    with all its tokens and its blocks back in the pool."""
+    clock, engine, steps = instance(Limits(), blocks=40)
+    sims = [SimRequest(i, 0.0, 100, 100) for i in range(8)]
+    for sim in sims:
+        clock.at(0.0, lambda sim=sim: engine.add_prompt(sim))
+    clock.run()
+    assert engine.scheduler.num_preemptions > 0
+    assert any(n > 100 for _, chunks in steps for _, n in chunks)  # a recomputed request
+    assert all(math.isfinite(s.last) for s in sims)
+    assert engine.scheduler.allocator.num_used == 0 and not engine.sims
+
+
+def test_chunked_prefill_shares_the_token_budget_with_decodes() -> None:
+    """A long prompt arrives beside a running stream: with chunking it is computed in chunks of
+    the budget left after the decode, the stream decoding in every one of those steps; its
+    first token leaves with the last chunk."""
+    limits = Limits(max_num_batched_tokens=64, chunked_prefill=True)
+    clock, engine, steps = instance(limits, blocks=1000)
+    stream, prompt = SimRequest(0, 0.0, 16, 50), SimRequest(1, 0.05, 200, 2)
+    clock.at(0.0, lambda: engine.add_prompt(stream))
+    clock.at(0.05, lambda: engine.add_prompt(prompt))
+    clock.run()
+    assert prefilled(steps, "1") == [63, 63, 63, 11]
+    chunk_steps = [decodes for decodes, chunks in steps if any(rid == "1" for rid, _ in chunks)]
+    assert chunk_steps == [["0"]] * 4
+    assert math.isfinite(prompt.last) and math.isfinite(stream.last)
+
+
+def test_without_chunking_a_prompt_over_the_budget_runs_whole_alone() -> None:
+    clock, engine, steps = instance(Limits(max_num_batched_tokens=64), blocks=1000)
+    prompt = SimRequest(0, 0.0, 200, 2)
+    clock.at(0.0, lambda: engine.add_prompt(prompt))
+    clock.run()
+    assert prefilled(steps, "0") == [200]
+    assert prompt.first == pytest.approx(MODEL.prefill(200, 200 * 200))
+
+
+def test_handed_over_kv_waits_for_blocks_and_is_released_when_loaded() -> None:
+    """Handovers are applied between steps. Decode's pool holds all but the last of the
+    handed-over prompts: that one's first token goes out with the others, but its KV stays on
+    the prefill instance until a running request leaves; a request that ends on its first
+    token releases its KV on the spot."""
+    clock, engine, steps = instance(Limits(), blocks=12)
+    released: dict[int, float] = {}
+    sims = [SimRequest(i, 0.0, 64, 20) for i in range(3)] + [SimRequest(3, 0.0, 64, 1)]
+    for sim in sims:
+        release = lambda i=sim.idx: released.setdefault(i, clock.now)  # noqa: E731
+        clock.at(0.0, lambda sim=sim, release=release: engine.add_prefilled(sim, release))
+    clock.run()
+    assert sims[0].first == released[0] == 0.0
+    assert sims[1].first == sims[2].first == sims[3].first > 0.0  # when the first step ended
+    assert released[1] == released[3] == sims[1].first
+    assert released[2] >= min(sims[0].last, sims[1].last) > sims[2].first
+    assert [decodes for decodes, _ in steps[:2]] == [["0"], ["0", "1"]]
+    assert all(math.isfinite(s.last) for s in sims)

@@ -1,0 +1,56 @@
+"""The cost runner: how long an instance's step takes, from the profile's fits.
+
+It stands in for the engine's forward pass (``ModelRunner``): the real scheduler decides what a
+step computes, this prices it. An engine step is priced in two parts, because neighbours
+stretch them by different contention factors: the prompt part (prefill chunks, the fit over
+their tokens and their attention pairs, the cached context included) and the decode part (the
+decode fit over the batch and its context, the KV handoffs loaded for the step, and the serving
+cost of every token the step sends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve_tools.planner.fit import DecodeFit, HandoffFit, PrefillFit
+
+
+@dataclass(frozen=True)
+class StepModel:
+    prefill: PrefillFit
+    decode: DecodeFit
+    handoff: HandoffFit
+    kv_bytes_per_token: int
+    block_size: int
+    token_s: float
+    """Serving cost of one streamed token, charged to the step that samples it."""
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    def prompt_pass(self, input_lens: Sequence[int]) -> float:
+        """One packed pass over whole prompts (the prefill role)."""
+        return self.prefill(sum(input_lens), sum(n * n for n in input_lens))
+
+    def engine_step(
+        self, out: SchedulerOutput, loaded_blocks: Sequence[int]
+    ) -> tuple[float, float]:
+        """(prompt part, decode part) of a step that runs ``out`` after loading handed-over KV
+        of ``loaded_blocks`` blocks per request; call before the step updates the requests."""
+        decode_s = sum(self.handoff(blocks * self.block_bytes) for blocks in loaded_blocks)
+        if out.decodes:
+            context = sum(map(attrgetter("num_tokens"), out.decodes))
+            decode_s += self.decode(len(out.decodes), context)
+        prefill_s = 0.0
+        finishing = 0
+        if out.prefills:
+            tokens = sum(n for _, n in out.prefills)
+            pairs = sum(n * n + 2 * n * req.num_computed for req, n in out.prefills)
+            prefill_s = self.prefill(tokens, pairs)
+            finishing = sum(1 for req, n in out.prefills if req.num_computed + n == req.num_tokens)
+        decode_s += self.token_s * (len(out.decodes) + finishing)
+        return prefill_s, decode_s
