@@ -76,7 +76,7 @@ def _ninja_dirs() -> list[Path]:
     beside this interpreter (a venv's ``bin``, not on PATH unless the venv is activated)."""
     dirs = []
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         if getattr(ninja, "BIN_DIR", ""):
             dirs.append(Path(ninja.BIN_DIR))
