@@ -466,3 +466,10 @@ def test_serving_defaults_match_the_components_they_configure() -> None:
     loop = inspect.signature(EngineLoop.__init__).parameters["cancel_poll_s"].default
     assert defaults["lease_ttl_s"] == leased
     assert defaults["cancel_poll_s"] == loop
+
+
+def test_the_transports_a_config_accepts_are_the_registered_ones() -> None:
+    from splitserve.serving.serving_config import TRANSPORTS
+    from splitserve.transport import available_transports
+
+    assert sorted(TRANSPORTS) == available_transports()

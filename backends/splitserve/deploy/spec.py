@@ -9,6 +9,7 @@ will run with, so a bad value fails before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,8 +222,6 @@ def default_cpu_spec(
     layout: str, settings: Mapping[str, Any], cores: int | None = None, **fields: Any
 ) -> DeploymentSpec:
     """Prefill on the first half of the cores, decode on the rest, colocated on all of them."""
-    import os
-
     n = cores or len(os.sched_getaffinity(0))
     half = max(1, n // 2)
     prefill = f"0-{half - 1}" if n > 1 else "0"
