@@ -1,10 +1,9 @@
-"""The runtime's commands: ``serve``, ``generate`` and ``openai`` (the ``splitserve`` entry point
-in ``splitserve_tools.cli`` adds ``bench`` and ``plan``)."""
+"""The runtime's commands: ``serve`` and ``openai`` (the ``splitserve`` entry point in
+``splitserve_tools.cli`` adds the client's ``generate`` and the tools' ``bench`` and ``plan``)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,27 +122,8 @@ def cmd_openai(args: argparse.Namespace) -> None:
     run(options_from_args(args))
 
 
-def cmd_generate(args: argparse.Namespace) -> None:
-    from splitserve_client.generate import GenerateArgs, generate
-
-    reason = generate(
-        GenerateArgs(
-            prompt=args.prompt,
-            url=args.url,
-            model=args.model,
-            stream=not args.no_stream,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-    )
-    print(f"\n[finish_reason={reason}]", file=sys.stderr)
-
-
 def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
-    """Adds ``serve``, ``openai`` and ``generate`` to a ``splitserve`` parser."""
+    """Adds ``serve`` and ``openai`` to a ``splitserve`` parser."""
 
     s = sub.add_parser("serve", help="render a model repository and run tritonserver on it")
     s.add_argument(
@@ -200,16 +180,3 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
     o = sub.add_parser("openai", help="OpenAI-compatible HTTP API in front of a Triton server")
     add_openai_arguments(o)
     o.set_defaults(func=cmd_openai)
-
-    g = sub.add_parser("generate", help="send one prompt over gRPC and print the text")
-    g.add_argument("prompt")
-    g.add_argument("--url", default="localhost:8001", help="Triton gRPC address")
-    g.add_argument("--model", default="llm", help="llm or llm_colocated")
-    g.add_argument("--no-stream", action="store_true", help="one response with the whole text")
-    g.add_argument("--stream", action="store_true", help="stream tokens (the default)")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.set_defaults(func=cmd_generate)

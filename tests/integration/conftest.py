@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from checkpoints import LLAMA32_SETTINGS
 from hf_reference import hf_greedy
-from llm_client import LEASE_TTL_S, MAX_MODEL_LEN, SERVE_ENGINE, Reference, ReferenceFactory
+from llm_client import (
+    LEASE_TTL_S,
+    MAX_MODEL_LEN,
+    SERVE_ENGINE,
+    Reference,
+    ReferenceFactory,
+    splitserve_triton,
+)
 
 import splitserve_kernels
 from splitserve import LLM
@@ -129,17 +136,10 @@ def splitserve_server(
         "both", {"model": str(serve_ckpt), **SERVE_ENGINE}, lend_prefill_cores=True
     )
     spec = replace(spec, prefill=replace(spec.prefill, settings={"lease_ttl_s": LEASE_TTL_S}))
-    repo = render(spec, tmp_path_factory.mktemp("splitserve_repo"))
-    http_port, grpc_port, metrics_port = free_ports(3)
-    server = TritonServer(
-        repo,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        # Each pending BLS call to prefill holds one of these threads (default 32).
-        backend_config={"python": {"thread-pool-size": 64}},
-        workdir=tmp_path_factory.mktemp("triton-splitserve"),
-        install=triton_install,
+    server = splitserve_triton(
+        render(spec, tmp_path_factory.mktemp("splitserve_repo")),
+        tmp_path_factory.mktemp("triton-splitserve"),
+        triton_install,
         env=key_environ(handle_key),
         # As `splitserve serve` deploys it: the server's own threads on the prefill core.
         server_cores=server_cores(spec),
@@ -166,15 +166,8 @@ def start_splitserve(
 
     def start(spec: DeploymentSpec) -> TritonServer:
         n = len(started)
-        http_port, grpc_port, metrics_port = free_ports(3)
-        server = TritonServer(
-            render(spec, tmp_path / f"repo{n}"),
-            http_port=http_port,
-            grpc_port=grpc_port,
-            metrics_port=metrics_port,
-            backend_config={"python": {"thread-pool-size": 64}},
-            workdir=tmp_path / f"triton{n}",
-            install=triton_install,
+        server = splitserve_triton(
+            render(spec, tmp_path / f"repo{n}"), tmp_path / f"triton{n}", triton_install
         )
         started.append(server)
         return server.start(START_TIMEOUT_S)

@@ -1,4 +1,5 @@
-"""Test clients for the generate models: gRPC streams, HTTP generate[_stream], /metrics gauges."""
+"""Test clients for the generate models: gRPC streams, HTTP generate[_stream], /metrics gauges;
+and the servers and processes they talk to."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import contextlib
 import json
 import queue
 import re
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -22,7 +25,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from splitserve.deploy.launcher import TritonServer
+from splitserve.deploy.launcher import TritonInstall, TritonServer, free_ports
 from splitserve.testing.procfs import stub_instances
 from splitserve.transport import cleanup
 
@@ -40,6 +43,61 @@ within a test."""
 
 GAUGE_LINE = re.compile(r"^(splitserve_\w+)\{([^}]*)\} (\S+)$", re.M)
 LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def splitserve_triton(
+    repo: Path,
+    workdir: Path,
+    install: TritonInstall,
+    env: Mapping[str, str] | None = None,
+    server_cores: set[int] | None = None,
+) -> TritonServer:
+    """An unstarted server of a rendered Splitserve repository on free ports."""
+    http_port, grpc_port, metrics_port = free_ports(3)
+    return TritonServer(
+        repo,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        # Each pending BLS call to prefill holds one of these threads (default 32).
+        backend_config={"python": {"thread-pool-size": 64}},
+        workdir=workdir,
+        install=install,
+        env=env,
+        server_cores=server_cores,
+    )
+
+
+def answers_200(url: str) -> bool:
+    """Whether ``url`` answers 200 now (readiness probes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s`` (and raise then)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def http_generate(http_url: str, model: str) -> dict[str, Any]:
+    """One greedy 4-token request to ``model``'s HTTP generate endpoint."""
+    body = {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    request = urllib.request.Request(
+        f"{http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
 
 
 @dataclass(frozen=True)

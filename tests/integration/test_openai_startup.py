@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from llm_client import answers_200, stop_process
 from test_openai_api import NAME, PROMPT, base_url, http, start_frontend
 
 from splitserve.deploy.launcher import TritonServer, free_ports
@@ -74,27 +75,13 @@ def serve(log: Path, layout: str) -> Iterator[Serve]:
     running = Serve(proc, openai_port, log)
     try:
         deadline = time.monotonic() + UP_TIMEOUT_S
-        while not _answers(f"{running.url}/v1/models"):
+        while not answers_200(f"{running.url}/v1/models"):
             assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{running.output()}"
             assert time.monotonic() < deadline, f"not up in {UP_TIMEOUT_S} s:\n{running.output()}"
             time.sleep(0.1)
         yield running
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return response.status == 200
-    except OSError:
-        return False
+        stop_process(proc, STOP_TIMEOUT_S)
 
 
 def complete(url: str, max_tokens: int) -> dict[str, Any]:

@@ -20,11 +20,12 @@ from llm_client import (
     generate_inputs,
     infer_inputs,
     samples,
+    splitserve_triton,
     wait_for,
 )
 from tritonclient.utils import InferenceServerException
 
-from splitserve.deploy.launcher import TritonInstall, TritonServer, free_ports
+from splitserve.deploy.launcher import TritonInstall, TritonServer
 from splitserve.deploy.render import render
 from splitserve.deploy.spec import DeploymentSpec, RoleSpec
 from splitserve.serving import bls_contract
@@ -58,15 +59,10 @@ def small_server(
         prefill=RoleSpec(settings={"lease_ttl_s": 600.0}),
         decode=RoleSpec(settings={"request_timeout_s": DEFAULT_TIMEOUT_S}),
     )
-    http_port, grpc_port, metrics_port = free_ports(3)
-    server = TritonServer(
+    server = splitserve_triton(
         render(spec, tmp_path_factory.mktemp("deadline_repo")),
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        backend_config={"python": {"thread-pool-size": 64}},
-        workdir=tmp_path_factory.mktemp("triton-deadline"),
-        install=triton_install,
+        tmp_path_factory.mktemp("triton-deadline"),
+        triton_install,
         env=key_environ(key),
     )
     server.start(60.0)

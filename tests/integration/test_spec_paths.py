@@ -4,11 +4,10 @@ Python backend cannot start stubs from are refused before anything starts."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
+from llm_client import http_generate
 
 from splitserve.deploy.launcher import free_ports
 from splitserve.deploy.serve import ServeOptions, build_spec, start_server
@@ -17,19 +16,6 @@ from splitserve.testing.checkpoints import write_random_checkpoint
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
 AWKWARD = 'a "quoted" dir\\with back\\slashes, {braces} and $dollars'
-
-
-def generate(http_url: str, model: str) -> dict[str, object]:
-    body = json.dumps(
-        {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
-    ).encode()
-    request = urllib.request.Request(
-        f"{http_url}/v2/models/{model}/generate",
-        data=body,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
 
 
 def test_serves_from_paths_with_quotes_backslashes_and_spaces(tmp_path: Path) -> None:
@@ -46,7 +32,7 @@ def test_serves_from_paths_with_quotes_backslashes_and_spaces(tmp_path: Path) ->
     )
     server = start_server(build_spec(opts), tmp_path / "repo")
     try:
-        texts = {model: generate(server.http_url, model) for model in ("llm", "llm_colocated")}
+        texts = {model: http_generate(server.http_url, model) for model in ("llm", "llm_colocated")}
     finally:
         server.stop()
     assert texts["llm"]["text_output"] == texts["llm_colocated"]["text_output"]

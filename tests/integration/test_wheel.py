@@ -15,13 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from llm_client import answers_200, http_generate, stop_process
 
 from splitserve.deploy.launcher import find_tritonserver, free_ports
 
@@ -189,7 +187,7 @@ def serving(installed: Installed) -> Iterator[Serving]:
     running = Serving(proc, f"http://127.0.0.1:{http_port}", log)
     try:
         started = time.monotonic()
-        while not _ready(f"{running.http_url}/v2/health/ready"):
+        while not answers_200(f"{running.http_url}/v2/health/ready"):
             assert proc.poll() is None, f"serve exited with {proc.returncode}:\n{running.output()}"
             assert time.monotonic() - started < READY_TIMEOUT_S, running.output()
             time.sleep(0.5)
@@ -198,32 +196,7 @@ def serving(installed: Installed) -> Iterator[Serving]:
         )
         yield running
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def generate(http_url: str, model: str) -> dict[str, object]:
-    body = {"text_input": "Hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
-    request = urllib.request.Request(
-        f"{http_url}/v2/models/{model}/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
+        stop_process(proc, STOP_TIMEOUT_S)
 
 
 def mapped_kernels(pid: int) -> list[str]:
@@ -237,7 +210,7 @@ def mapped_kernels(pid: int) -> list[str]:
 def test_the_installed_wheel_serves_tiny_on_its_compiled_kernels(
     installed: Installed, serving: Serving
 ) -> None:
-    answers = {model: generate(serving.http_url, model) for model in ("llm", "llm_colocated")}
+    answers = {model: http_generate(serving.http_url, model) for model in ("llm", "llm_colocated")}
     for model, answer in answers.items():
         assert isinstance(answer.get("text_output"), str) and answer["text_output"], (model, answer)
     output = serving.output()

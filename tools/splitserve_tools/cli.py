@@ -1,5 +1,5 @@
-"""The ``splitserve`` command: the runtime's ``serve``, ``generate`` and ``openai``, and the
-tools' ``bench`` and ``plan``."""
+"""The ``splitserve`` command: the runtime's ``serve`` and ``openai``, the client's ``generate``,
+and the tools' ``bench`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import logging
 
 from splitserve.cli import add_runtime_parsers
+from splitserve_client.generate_cli import add_generate_parser
 from splitserve_tools.bench.bench_cli import add_bench_parser
 from splitserve_tools.plan_cli import add_plan_parsers
 
@@ -17,6 +18,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True)
     add_runtime_parsers(sub)
+    add_generate_parser(sub)
     add_bench_parser(sub)
     add_plan_parsers(sub)
     return ap
