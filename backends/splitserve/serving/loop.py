@@ -7,6 +7,7 @@ Between steps it also ends the requests whose client cancelled or whose deadline
 
 from __future__ import annotations
 
+import heapq
 import logging
 import queue
 import threading
@@ -70,6 +71,9 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}
         self._deadlines: dict[str, float] = {}
         """``time.monotonic()`` deadlines of the requests in ``_sinks`` that have one."""
+        self._by_deadline: list[tuple[float, str]] = []
+        """The same, soonest first (entries of requests gone are skipped when they come up), so
+        a step checks one entry, not every request."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = False
         self._draining: str | None = None
@@ -138,9 +142,11 @@ class EngineLoop:
         self._sinks[rid] = sink
         if deadline is not None:
             self._deadlines[rid] = deadline
+            heapq.heappush(self._by_deadline, (deadline, rid))
 
     def _untrack(self, rid: str) -> Sink:
-        self._deadlines.pop(rid, None)
+        if self._deadlines.pop(rid, None) is not None and not self._deadlines:
+            self._by_deadline.clear()
         return self._sinks.pop(rid)
 
     def call(self, fn: Command) -> None:
@@ -176,9 +182,11 @@ class EngineLoop:
     def _expire(self) -> None:
         """End the requests past their deadline, wherever they are, and free their blocks."""
         now = time.monotonic()
-        for rid in [rid for rid, deadline in self._deadlines.items() if deadline <= now]:
-            self.engine.abort(rid)
-            self._untrack(rid).fail(TIMED_OUT, "unavailable")
+        while self._by_deadline and self._by_deadline[0][0] <= now:
+            deadline, rid = heapq.heappop(self._by_deadline)
+            if self._deadlines.get(rid) == deadline:
+                self.engine.abort(rid)
+                self._untrack(rid).fail(TIMED_OUT, "unavailable")
 
     @staticmethod
     def _cancelled_output(rid: str) -> RequestOutput:
@@ -234,3 +242,4 @@ class EngineLoop:
             sink.fail(message, kind)
         self._sinks.clear()
         self._deadlines.clear()
+        self._by_deadline.clear()
