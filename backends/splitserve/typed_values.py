@@ -136,8 +136,3 @@ def build(
 ) -> T:
     """An instance of dataclass ``cls`` from decoded JSON (see ``values_from_mapping``)."""
     return cls(**values_from_mapping(cls, data, where=where, nested=nested))
-
-
-def to_mapping(obj: Any) -> dict[str, Any]:
-    """A dataclass instance as JSON-ready values (tuples as lists, nested dataclasses too)."""
-    return dataclasses.asdict(obj)

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 
 from splitserve.engine_config import EngineConfig
 from splitserve.serving.affinity import allowed_cores, parse_cores
-from splitserve.typed_values import build, to_mapping
+from splitserve.typed_values import build
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSPORTS = ("shm", "cuda_ipc")
@@ -78,7 +79,7 @@ class ServingConfig:
 
     def to_json(self) -> str:
         """This config as the one JSON parameter a stub reads (``CONFIG_PARAMETER``)."""
-        return json.dumps(to_mapping(self), sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ServingConfig:
