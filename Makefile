@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[serve,client,test]"
+	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -34,12 +34,19 @@ def resign(body: bytes, key: bytes = KEY) -> bytes:
 
 def test_round_trip_and_layout():
     data = encode()
-    assert data[:4] == b"SSKV" and struct.unpack_from("<H", data, 4) == (1,)
-    assert len(data) == 74 + len(HANDLE.owner) + 3 + 4 * 4 + 32
+    assert data[:4] == b"SSKV" and struct.unpack_from("<H", data, 4) == (2,)
+    assert len(data) == 76 + len(HANDLE.owner) + 3 + 4 * 4 + 32
     assert decode_handle(data, KEY, now=NOW) == HANDLE
 
 
-@pytest.mark.parametrize("cut", [0, 3, 5, 40, 73, 74, 120, -1])
+def test_peer_round_trips():
+    with_peer = replace(HANDLE, transport="nixl", peer="tcp://10.0.0.2:41000")
+    data = encode_handle(with_peer, KEY)
+    assert len(data) == 76 + len(HANDLE.owner) + 4 + len(with_peer.peer) + 4 * 4 + 32
+    assert decode_handle(data, KEY, now=NOW) == with_peer
+
+
+@pytest.mark.parametrize("cut", [0, 3, 5, 40, 75, 76, 120, -1])
 def test_truncated(cut):
     data = encode()
     with pytest.raises(InvalidHandle, match=r"truncated|bad magic"):
@@ -50,8 +57,8 @@ def test_bad_magic_and_version():
     data = encode()
     with pytest.raises(InvalidHandle, match="bad magic"):
         decode_handle(b"XXXX" + data[4:], KEY, now=NOW)
-    with pytest.raises(InvalidHandle, match="version 2"):
-        decode_handle(data[:4] + struct.pack("<H", 2) + data[6:], KEY, now=NOW)
+    with pytest.raises(InvalidHandle, match="version 1"):
+        decode_handle(data[:4] + struct.pack("<H", 1) + data[6:], KEY, now=NOW)
 
 
 def test_modified_forged_and_cross_key():

@@ -53,7 +53,7 @@ def reader():
 
 
 def test_registry():
-    assert available_transports() == ["cuda_ipc", "shm"]
+    assert available_transports() == ["cuda_ipc", "nixl", "shm"]
     with get_transport("shm", key=KEY) as transport:
         assert isinstance(transport, ShmTransport)
     with pytest.raises(ValueError, match="unknown KV transport"):

@@ -1,7 +1,7 @@
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerLimits
-from splitserve.kv.allocator import BlockAllocator
+from splitserve.kv.allocator import BlockAllocator, BlocksStillWritten
 
 
 def _req(rid: str, n: int) -> Request:
@@ -112,6 +112,34 @@ class BrokenSource:
 
     def discard(self) -> None:
         raise AssertionError("a failed load is not a discard")
+
+
+class StalledSource:
+    """A network read abandoned at its deadline: its destination blocks stay with the transport."""
+
+    def __init__(self) -> None:
+        self.held: list[int] = []
+
+    def load(self, dst: list[int]) -> None:
+        self.held = list(dst)
+        raise BlocksStillWritten("transfer timed out", dst)
+
+    def discard(self) -> None:
+        raise AssertionError("a failed load is not a discard")
+
+
+def test_abandoned_transfer_keeps_its_blocks_out_of_the_pool():
+    s = _sched(8)
+    a = _req("a", 8)
+    a.num_computed, a.output_ids = 8, [9]
+    source = StalledSource()
+    s.add_prefilled(a, source)
+    plan = s.schedule()
+    assert plan.prefills and a.num_computed == 0
+    assert not set(source.held) & set(a.block_ids)  # recomputed into other blocks
+    assert s.allocator.num_used == len(source.held) + len(a.block_ids)
+    s.remove(a)
+    assert s.allocator.num_used == len(source.held)  # the transport frees these once settled
 
 
 def test_failed_handoff_falls_back_to_recompute():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.engine.request import Request, Status
-from splitserve.kv.allocator import BlockAllocator
+from splitserve.kv.allocator import BlockAllocator, BlocksStillWritten
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,14 @@ class Scheduler:
             self.arrived.popleft()
             try:
                 source.load(req.block_ids[: -(-req.num_computed // self.limits.block_size)])
-            except Exception:
+            except Exception as exc:
                 self.num_handoff_failures += 1
                 log.warning(
                     "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
                 )
+                if isinstance(exc, BlocksStillWritten):
+                    held = set(exc.block_ids)
+                    req.block_ids = [b for b in req.block_ids if b not in held]
                 self.free(req)
                 req.num_computed = 0
                 self.waiting.appendleft(req)

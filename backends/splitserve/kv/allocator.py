@@ -9,6 +9,16 @@ class OutOfBlocks(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+class BlocksStillWritten(RuntimeError):
+    """A copy into ``block_ids`` failed or was abandoned but may still write them (a network
+    transfer that cannot be cancelled). Whoever raises it frees them once the copy has settled;
+    the caller must not free or reuse them."""
+
+    def __init__(self, message: str, block_ids: list[int]) -> None:
+        super().__init__(message)
+        self.block_ids = list(block_ids)
+
+
 class BlockAllocator:
     """Free ids in a min-heap: every allocation takes the lowest free ids, in ascending order.
 

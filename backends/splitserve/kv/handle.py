@@ -2,11 +2,11 @@
 
 A handle names blocks of one owner's pool and is useless outside the server start that made it:
 it ends in an HMAC-SHA256 over every byte before it, keyed with a secret shared only by the
-processes of that start. Version 1 layout, little-endian::
+processes of that start. Version 2 layout, little-endian::
 
     offset  size  field
     0       4     magic b"SSKV"
-    4       2     version (u16) = 1
+    4       2     version (u16) = 2
     6       1     dtype code (u8): 1 float32, 2 float16, 3 bfloat16
     7       1     transport name length T (u8)
     8       2     owner address length A (u16)
@@ -19,9 +19,12 @@ processes of that start. Version 1 layout, little-endian::
     34      8     expiry, unix time in ns (u64)
     42      16    pool id
     58      16    lease id
-    74      A     owner address (UTF-8): where releases go
-    74+A    T     transport name (ASCII)
-    74+A+T  4N    block ids (u32 each)
+    74      2     peer length P (u16)
+    76      A     owner address (UTF-8): where releases go
+    76+A    T     transport name (ASCII)
+    76+A+T  P     peer (UTF-8): what else a reader needs to reach the owner (the metadata
+                  endpoint of a networked transport; empty for shm and CUDA IPC)
+    ...     4N    block ids (u32 each)
     ...     32    HMAC-SHA256(key, all bytes above)
 
 Decoding checks, in order: length and magic, version, exact total length, MAC, field values,
@@ -40,12 +43,12 @@ from typing import NamedTuple
 from splitserve.kv.layout import KVLayout
 
 MAGIC = b"SSKV"
-VERSION = 1
+VERSION = 2
 MAC_SIZE = 32
 ID_SIZE = 16
 MIN_KEY_SIZE = 16
 
-_HEADER = struct.Struct("<4sHBBHIIIIIIQ16s16s")
+_HEADER = struct.Struct("<4sHBBHIIIIIIQ16s16sH")
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 
@@ -66,6 +69,8 @@ class KVHandle:
     block_ids: tuple[int, ...]
     num_tokens: int
     expiry: float
+    peer: str = ""
+    """Transport-specific way to reach the owner beyond ``owner`` (NIXL: its metadata endpoint)."""
 
 
 def _check_key(key: bytes) -> None:
@@ -83,9 +88,10 @@ def encode_handle(handle: KVHandle, key: bytes) -> bytes:
     _check_key(key)
     owner = handle.owner.encode("utf-8")
     name = handle.transport.encode("ascii")
+    peer = handle.peer.encode("utf-8")
     layout = handle.layout
-    if len(owner) > 0xFFFF or len(name) > 0xFF:
-        raise ValueError("owner address or transport name too long for a handle")
+    if len(owner) > 0xFFFF or len(name) > 0xFF or len(peer) > 0xFFFF:
+        raise ValueError("owner address, transport name or peer too long for a handle")
     if len(handle.pool_id) != ID_SIZE or len(handle.lease_id) != ID_SIZE:
         raise ValueError(f"pool id and lease id must be {ID_SIZE} bytes")
     try:
@@ -104,11 +110,12 @@ def encode_handle(handle: KVHandle, key: bytes) -> bytes:
             round(handle.expiry * 1e9),
             handle.pool_id,
             handle.lease_id,
+            len(peer),
         )
         ids = struct.pack(f"<{len(handle.block_ids)}I", *handle.block_ids)
     except struct.error as exc:
         raise ValueError(f"handle field out of range: {exc}") from None
-    body = header + owner + name + ids
+    body = header + owner + name + peer + ids
     return body + mac(key, body)
 
 
@@ -136,7 +143,14 @@ def decode_handle(
         raise InvalidHandle(
             f"unsupported KV handle version {header.version} (this build reads {VERSION})"
         )
-    expected = _HEADER.size + header.owner_len + header.name_len + 4 * header.num_blocks + MAC_SIZE
+    expected = (
+        _HEADER.size
+        + header.owner_len
+        + header.name_len
+        + header.peer_len
+        + 4 * header.num_blocks
+        + MAC_SIZE
+    )
     if len(data) < expected:
         raise InvalidHandle(f"KV handle truncated: {len(data)} bytes of {expected}")
     if len(data) > expected:
@@ -169,6 +183,7 @@ class _Header(NamedTuple):
     expiry_ns: int
     pool_id: bytes
     lease_id: bytes
+    peer_len: int
 
 
 def _parse(h: _Header, body: bytes) -> KVHandle:
@@ -178,6 +193,8 @@ def _parse(h: _Header, body: bytes) -> KVHandle:
         offset += h.owner_len
         name = body[offset : offset + h.name_len].decode("ascii")
         offset += h.name_len
+        peer = body[offset : offset + h.peer_len].decode("utf-8")
+        offset += h.peer_len
         layout = KVLayout(
             h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, _DTYPE_NAMES[h.dtype_code]
         )
@@ -199,4 +216,5 @@ def _parse(h: _Header, body: bytes) -> KVHandle:
         block_ids=block_ids,
         num_tokens=h.num_tokens,
         expiry=h.expiry_ns / 1e9,
+        peer=peer,
     )

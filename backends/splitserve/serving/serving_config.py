@@ -13,7 +13,7 @@ from splitserve.serving.affinity import allowed_cores, parse_cores
 from splitserve.typed_values import build
 
 ROLES = ("prefill", "decode", "colocated")
-TRANSPORTS = ("shm", "cuda_ipc")
+TRANSPORTS = ("cuda_ipc", "nixl", "shm")
 CONFIG_PARAMETER = "splitserve_config"
 """The ``config.pbtxt`` parameter that carries a model's ServingConfig as JSON."""
 

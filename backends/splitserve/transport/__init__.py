@@ -9,6 +9,7 @@ from splitserve.transport.base import KVTransport
 
 _TRANSPORTS = {
     "cuda_ipc": ("splitserve.transport.cuda_ipc", "CudaIpcTransport"),
+    "nixl": ("splitserve.transport.nixl", "NixlTransport"),
     "shm": ("splitserve.transport.shm", "ShmTransport"),
 }
 

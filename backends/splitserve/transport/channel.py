@@ -2,7 +2,8 @@
 
 Readers PUSH (one socket per owner address, cached) to a PULL socket the owner binds at
 ``ipc://<dir>/splitserve-<pid ns>-<pid>-<random>.sock`` (mode 0600, removed on close; a killed
-owner's is swept by the next listener, see ``cleanup``). A message is::
+owner's is swept by the next listener, see ``cleanup``), or, for readers on other hosts, at
+``tcp://<host>:<ephemeral port>``. A message is::
 
     b"SSRM" | kind (u8: 1 pull, 2 release) | pool id (16) | lease id (16) | HMAC-SHA256 (32)
 
@@ -52,6 +53,25 @@ def decode_message(key: bytes, data: bytes) -> tuple[int, bytes, bytes] | None:
     return kind, pool_id, lease_id
 
 
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """``tcp://host:port``, IPv6 hosts in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def bind_tcp(sock: zmq.Socket, host: str) -> str:
+    """Bind ``sock`` to an ephemeral port of ``host``; the address peers dial."""
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.bind(tcp_endpoint(host, "*"))
+    except BaseException:
+        sock.close()
+        raise
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(endpoint, bytes)
+    return endpoint.decode()
+
+
 class ReleaseListener:
     """Owner side: binds the PULL socket and runs one thread that serves it and expires leases."""
 
@@ -64,24 +84,31 @@ class ReleaseListener:
         *,
         socket_dir: str | os.PathLike[str],
         sweep_interval_s: float,
+        tcp_host: str | None = None,
     ) -> None:
+        """``tcp_host``: listen on that address of this host (an ephemeral port) instead of a
+        socket file in ``socket_dir``."""
         self._key = key
         self._pool_id = pool_id
         self._leases = leases
         self._interval_ms = max(1, round(sweep_interval_s * 1000))
-        for stale in cleanup.sweep_dead_owners(socket_dir):
-            log.warning("removed %s, left by a process that was killed", stale)
-        self.path = Path(socket_dir) / cleanup.owned_name(secrets.token_hex(8), ".sock")
-        self.address = f"ipc://{self.path}"
         self._sock = ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(self.address)
-            os.chmod(self.path, 0o600)
-        except BaseException:
-            self._sock.close()
-            self.path.unlink(missing_ok=True)
-            raise
+        self.path: Path | None = None
+        if tcp_host is not None:
+            self.address = bind_tcp(self._sock, tcp_host)
+        else:
+            for stale in cleanup.sweep_dead_owners(socket_dir):
+                log.warning("removed %s, left by a process that was killed", stale)
+            self.path = Path(socket_dir) / cleanup.owned_name(secrets.token_hex(8), ".sock")
+            self.address = f"ipc://{self.path}"
+            try:
+                self._sock.bind(self.address)
+                os.chmod(self.path, 0o600)
+            except BaseException:
+                self._sock.close()
+                self.path.unlink(missing_ok=True)
+                raise
         self.counts = dict.fromkeys(("messages", "bad_messages", "foreign", "errors"), 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitserve-release", daemon=True)
@@ -93,7 +120,8 @@ class ReleaseListener:
         self._stop.set()
         self._thread.join()
         self._sock.close()
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -42,7 +42,7 @@ from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport import cleanup, pool_name
-from splitserve.transport.leased import LeasedTransport
+from splitserve.transport.leased import MappedTransport
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ _LOCAL_EXPORTS: weakref.WeakValueDictionary[bytes, _Export] = weakref.WeakValueD
 """Pools exported by this process, by pool id: CUDA cannot open a process's own IPC handles."""
 
 
-class CudaIpcTransport(LeasedTransport):
+class CudaIpcTransport(MappedTransport):
     """``KVTransport`` whose pools are CUDA allocations shared through CUDA IPC."""
 
     name = "cuda_ipc"

@@ -1,8 +1,8 @@
 """What every KV transport shares: handle signing and checks, leases, the release channel.
 
-Subclasses only place the owner's pool in openable memory and open a peer's pool as a tensor;
-copying, coalesced into one strided copy (over the layers) per contiguous run of block ids,
-happens here.
+Subclasses place the owner's pool in memory peers can reach and copy a handle's blocks in
+(``_copy_in``); ``MappedTransport`` does the copy for transports that map a peer's pool as a
+tensor (shm, CUDA IPC): one strided copy (over the layers) per contiguous run of block ids.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def copy_blocks(
 
 
 class LeasedTransport(KVTransport):
-    """Base of the concrete transports (shm, CUDA IPC): everything but memory placement."""
+    """Base of the concrete transports: everything but memory placement and the copy."""
 
     def __init__(
         self,
@@ -87,13 +87,23 @@ class LeasedTransport(KVTransport):
         """The pool id peers open ``pool`` by, or None if ``pool`` is not in openable memory."""
 
     @abstractmethod
-    def _open(self, handle: KVHandle) -> torch.Tensor:
-        """The owner's pool tensor, opened once per pool id and cached; raises InvalidHandle
-        if it cannot be opened or does not match the handle's layout."""
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+        """Copy the checked handle's blocks into ``dst_block_ids`` of the registered pool;
+        raises InvalidHandle (nothing read) if the owner's pool cannot be reached or does not
+        match the handle. Called after the PULL notice went to the owner."""
 
     @abstractmethod
     def _close_memory(self) -> None:
         """Unlink or free the own pool's memory and drop every opened peer pool."""
+
+    def _listen_host(self) -> str | None:
+        """Where the release listener binds: None for a socket file (readers on this host),
+        else an address of this host for readers elsewhere."""
+        return None
+
+    def _peer_field(self) -> str:
+        """The handle's ``peer`` field: what else a reader needs to reach this owner."""
+        return ""
 
     @property
     def owner_address(self) -> str | None:
@@ -113,8 +123,10 @@ class LeasedTransport(KVTransport):
                 self._leases,
                 socket_dir=self._socket_dir,
                 sweep_interval_s=self._sweep_interval_s,
+                tcp_host=self._listen_host(),
             )
-            cleanup.track(self._listener.path)
+            if self._listener.path is not None:
+                cleanup.track(self._listener.path)
 
     def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
         if (
@@ -139,6 +151,7 @@ class LeasedTransport(KVTransport):
             block_ids=lease.block_ids,
             num_tokens=num_tokens,
             expiry=lease.expiry,
+            peer=self._peer_field(),
         )
         return encode_handle(handle, self._key)
 
@@ -156,12 +169,8 @@ class LeasedTransport(KVTransport):
             raise ValueError(f"need {len(h.block_ids)} distinct destination blocks")
         if any(not 0 <= b < pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination ids out of range [0, {pool.num_blocks})")
-        src = self._open(h)
-        if max(h.block_ids) >= src.shape[1]:
-            raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[1]}")
-        self._notify(h, PULL)
         started = time.perf_counter_ns()
-        copy_blocks(src, h.block_ids, pool.tensor, dst_block_ids)
+        self._copy_in(h, dst_block_ids)
         self._fetch_counts["fetch_ns"] += time.perf_counter_ns() - started
         self._fetch_counts["fetched_bytes"] += len(dst_block_ids) * pool.layout.block_bytes
         self._fetch_counts["fetches"] += 1
@@ -188,7 +197,8 @@ class LeasedTransport(KVTransport):
         self._closed = True
         if self._listener is not None:
             self._listener.close()
-            cleanup.untrack(self._listener.path)
+            if self._listener.path is not None:
+                cleanup.untrack(self._listener.path)
         self._sender.close()
         self._close_memory()
         self._ctx.term()
@@ -209,3 +219,21 @@ class LeasedTransport(KVTransport):
                 self._leases.release(h.lease_id)
         else:
             self._sender.send(h.owner, kind, h.pool_id, h.lease_id)
+
+
+class MappedTransport(LeasedTransport):
+    """A transport whose readers map the owner's pool into their address space (shm, CUDA
+    IPC) and copy out of it directly."""
+
+    @abstractmethod
+    def _open(self, handle: KVHandle) -> torch.Tensor:
+        """The owner's pool tensor, opened once per pool id and cached; raises InvalidHandle
+        if it cannot be opened or does not match the handle's layout."""
+
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+        assert self._pool is not None  # fetch checked it
+        src = self._open(handle)
+        if max(handle.block_ids) >= src.shape[1]:
+            raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[1]}")
+        self._notify(handle, PULL)
+        copy_blocks(src, handle.block_ids, self._pool.tensor, dst_block_ids)

@@ -26,7 +26,7 @@ from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport import cleanup, pool_name
-from splitserve.transport.leased import LeasedTransport
+from splitserve.transport.leased import MappedTransport
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class _Peer:
     inode: int
 
 
-class ShmTransport(LeasedTransport):
+class ShmTransport(MappedTransport):
     """``KVTransport`` whose pools are shared-memory segments; CPU pools only."""
 
     name = "shm"

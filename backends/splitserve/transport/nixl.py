@@ -1,0 +1,252 @@
+"""KV transport over NIXL (UCX backend): prefill and decode on different hosts.
+
+The owner registers its pool with its NIXL agent once (DRAM on CPUs, VRAM on GPUs) and serves
+two small endpoints on its advertised host: the release channel (``tcp://``, as for shm) and the
+signed metadata endpoint (``nixl_metadata``), named in every handle's ``peer``. A reader asks
+each owner for its metadata once, checks the MAC, adds the agent, and then READs a handle's
+blocks straight into blocks of its own pool: one descriptor per layer and contiguous run.
+
+A READ that has not finished by ``transfer_timeout_s`` is abandoned. NIXL cannot cancel a
+posted READ (releasing its handle leaves the bytes landing), so its destination blocks are held
+here, not returned to the caller (``BlocksStillWritten``), until the transfer settles; the owner's
+lease then expires on its side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitserve.kv.allocator import BlocksStillWritten
+from splitserve.kv.handle import InvalidHandle, KVHandle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.lease import LockedAllocator
+from splitserve.kv.pool import KVPool
+from splitserve.transport.channel import PULL
+from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
+from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
+
+log = logging.getLogger(__name__)
+
+ADVERTISE_ENV = "SPLITSERVE_ADVERTISE_HOST"
+
+
+def default_advertise_host() -> str:
+    """``$SPLITSERVE_ADVERTISE_HOST``, else what this host's name resolves to (a pod's IP in
+    Kubernetes)."""
+    return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
+
+
+def _mem_of(pool: KVPool) -> tuple[str, int]:
+    device = pool.device
+    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
+
+
+@dataclass
+class _Abandoned:
+    xfer: Any
+    block_ids: list[int]
+
+
+class NixlTransport(LeasedTransport):
+    """``KVTransport`` whose readers pull blocks over NIXL; pools on CPU or GPU."""
+
+    name = "nixl"
+
+    def __init__(
+        self,
+        key: bytes,
+        *,
+        advertise_host: str | None = None,
+        transfer_timeout_s: float = 10.0,
+        metadata_timeout_s: float = 5.0,
+        **options: Any,
+    ) -> None:
+        if transfer_timeout_s <= 0 or metadata_timeout_s <= 0:
+            raise ValueError("transfer and metadata timeouts must be positive")
+        super().__init__(key, **options)
+        self._host = advertise_host or default_advertise_host()
+        self._transfer_timeout_s = transfer_timeout_s
+        self._metadata_timeout_s = metadata_timeout_s
+        self._agent: Any = None
+        self._registered: Any = None
+        self._own: tuple[bytes, KVPool] | None = None
+        self._metadata: MetadataServer | None = None
+        self._peers: dict[bytes, PeerPool] = {}
+        self._abandoned: list[_Abandoned] = []
+        self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
+
+    @property
+    def agent_name(self) -> str | None:
+        return None if self._agent is None else str(self._agent.name)
+
+    def _new_agent(self) -> Any:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+    def create_pool(
+        self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
+    ) -> KVPool:
+        if self._own is not None:
+            raise RuntimeError("this transport already created its pool")
+        pool = KVPool(layout, num_blocks, device, allocator=LockedAllocator(num_blocks))
+        self._own = (secrets.token_bytes(16), pool)
+        return pool
+
+    def register(self, pool: KVPool) -> None:
+        if self._agent is not None:
+            raise RuntimeError("this transport already has a registered pool")
+        if not pool.tensor.is_contiguous():
+            raise ValueError("a NIXL-registered KV pool must be one contiguous tensor")
+        self._agent = self._new_agent()
+        mem, device_id = _mem_of(pool)
+        nbytes = pool.num_blocks * pool.layout.block_bytes
+        self._registered = self._agent.register_memory(
+            [(pool.tensor.data_ptr(), nbytes, device_id, "")], mem
+        )
+        super().register(pool)
+        if self._own is not None and self._own[1] is pool:
+            own = PeerPool(
+                agent_name=self._agent.name,
+                base=pool.tensor.data_ptr(),
+                nbytes=nbytes,
+                device_id=device_id,
+                mem=mem,
+                num_blocks=pool.num_blocks,
+                metadata=self._agent.get_agent_metadata(),
+            )
+            self._metadata = MetadataServer(self._ctx, self._key, self._host, self._own[0], own)
+
+    def _exported_pool_id(self, pool: KVPool) -> bytes | None:
+        return self._own[0] if self._own is not None and self._own[1] is pool else None
+
+    def _listen_host(self) -> str | None:
+        return self._host
+
+    def _peer_field(self) -> str:
+        assert self._metadata is not None  # export runs only on a registered own pool
+        return self._metadata.address
+
+    def _peer(self, h: KVHandle) -> PeerPool:
+        peer = self._peers.get(h.pool_id)
+        if peer is None:
+            if not h.peer.startswith("tcp://"):
+                raise InvalidHandle(f"KV handle names no NIXL metadata endpoint ({h.peer!r})")
+            peer = request_pool(self._ctx, self._key, h.peer, h.pool_id, self._metadata_timeout_s)
+            if peer.nbytes != peer.num_blocks * h.layout.block_bytes:
+                raise InvalidHandle("KV owner's pool does not hold whole blocks of this layout")
+            added = self._agent.add_remote_agent(peer.metadata)
+            added = added.decode() if isinstance(added, bytes) else str(added)
+            if added != peer.agent_name:
+                raise InvalidHandle(f"KV owner's metadata names agent {added!r}")
+            self._peers[h.pool_id] = peer
+        return peer
+
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+        assert self._pool is not None  # fetch checked it
+        self.reap()
+        if self._own is not None and handle.pool_id == self._own[0]:
+            self._notify(handle, PULL)
+            copy_blocks(self._own[1].tensor, handle.block_ids, self._pool.tensor, dst_block_ids)
+            return
+        peer = self._peer(handle)
+        if max(handle.block_ids) >= peer.num_blocks:
+            raise InvalidHandle(f"KV handle names blocks beyond the owner's {peer.num_blocks}")
+        self._notify(handle, PULL)
+        self._read(peer, handle, dst_block_ids)
+
+    def _descriptors(self, peer: PeerPool, src: tuple[int, ...], dst: list[int]) -> Any:
+        """Local and remote descriptor lists: one entry per layer and contiguous run."""
+        assert self._pool is not None
+        pool = self._pool
+        runs = np.array(contiguous_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
+        block = np.uint64(pool.layout.block_bytes // pool.layout.num_layers)  # one layer's
+        layers = np.arange(pool.layout.num_layers, dtype=np.uint64)[:, None]
+
+        def descs(base: int, blocks: int, starts: np.ndarray, device_id: int) -> np.ndarray:
+            addr = np.uint64(base) + (layers * np.uint64(blocks) + starts[None, :]) * block
+            table = np.empty((addr.size, 3), dtype=np.uint64)
+            table[:, 0] = addr.reshape(-1)
+            table[:, 1] = np.broadcast_to(runs[:, 2] * block, addr.shape).reshape(-1)
+            table[:, 2] = device_id
+            return table
+
+        mem, device_id = _mem_of(pool)
+        local = descs(pool.tensor.data_ptr(), pool.num_blocks, runs[:, 1], device_id)
+        remote = descs(peer.base, peer.num_blocks, runs[:, 0], peer.device_id)
+        return (
+            self._agent.get_xfer_descs(local, mem),
+            self._agent.get_xfer_descs(remote, peer.mem),
+        )
+
+    def _read(self, peer: PeerPool, h: KVHandle, dst: list[int]) -> None:
+        local, remote = self._descriptors(peer, h.block_ids, dst)
+        xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name)
+        deadline = time.monotonic() + self._transfer_timeout_s
+        state = self._agent.transfer(xfer)
+        pause = 20e-6
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                self._counts["transfer_timeouts"] += 1
+                self._abandoned.append(_Abandoned(xfer, list(dst)))
+                raise BlocksStillWritten(
+                    f"KV transfer from {peer.agent_name} did not finish within "
+                    f"{self._transfer_timeout_s:g} s",
+                    dst,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+            state = self._agent.check_xfer_state(xfer)
+        self._agent.release_xfer_handle(xfer)
+        if state != "DONE":
+            self._counts["transfer_errors"] += 1
+            raise RuntimeError(f"KV transfer from {peer.agent_name} failed ({state})")
+
+    def reap(self) -> int:
+        """Return the blocks of abandoned transfers that have settled; how many are still held.
+        Runs on the reader's own thread (its allocator is not locked)."""
+        assert self._pool is not None
+        held = []
+        for item in self._abandoned:
+            if self._agent.check_xfer_state(item.xfer) == "PROC":
+                held.append(item)
+                continue
+            self._agent.release_xfer_handle(item.xfer)
+            self._pool.allocator.free(item.block_ids)
+        self._abandoned = held
+        return sum(len(item.block_ids) for item in held)
+
+    def stats(self) -> dict[str, int]:
+        held = sum(len(item.block_ids) for item in self._abandoned)
+        counts = {**super().stats(), **self._counts, "held_blocks": held, "peers": len(self._peers)}
+        if self._metadata is not None:
+            counts.update({f"metadata_{k}": v for k, v in self._metadata.counts.items()})
+        return counts
+
+    def _close_memory(self) -> None:
+        if self._metadata is not None:
+            self._metadata.close()
+        if self._agent is None:
+            return
+        for item in self._abandoned:
+            try:
+                self._agent.release_xfer_handle(item.xfer)
+            except Exception:  # the agent goes away with this process anyway
+                log.warning("could not release an abandoned KV transfer", exc_info=True)
+        self._abandoned.clear()
+        for peer in self._peers.values():
+            self._agent.remove_remote_agent(peer.agent_name)
+        self._peers.clear()
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+        self._agent = None

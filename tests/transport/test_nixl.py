@@ -1,0 +1,185 @@
+"""The NIXL transport inside one process: owner and reader are two agents sharing a key, over
+UCX's TCP transport on the loopback address."""
+
+import os
+import struct
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import zmq
+
+pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
+
+from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
+from splitserve.kv.layout import KVLayout
+from splitserve.kv.pool import KVPool
+from splitserve.transport import get_transport
+from splitserve.transport.key import generate_key
+from splitserve.transport.nixl import NixlTransport
+from splitserve.transport.nixl_metadata import (
+    decode_answer,
+    encode_request,
+    request_pool,
+)
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+KEY = generate_key()
+LOOPBACK = {"advertise_host": "127.0.0.1", "sweep_interval_s": 0.01}
+
+
+@pytest.fixture(autouse=True)
+def _tcp_only(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def owner():
+    transport = NixlTransport(KEY, lease_ttl_s=10.0, read_margin_s=1.0, **LOOPBACK)
+    pool = transport.create_pool(LAYOUT, 12)
+    transport.register(pool)
+    pool.tensor.copy_(torch.arange(pool.tensor.numel(), dtype=torch.float32).view_as(pool.tensor))
+    yield transport, pool
+    transport.close()
+
+
+@pytest.fixture
+def reader():
+    transport = NixlTransport(KEY, read_margin_s=1.0, **LOOPBACK)
+    pool = KVPool(LAYOUT, 10)
+    pool.tensor.fill_(-1.0)
+    transport.register(pool)
+    yield transport, pool
+    transport.close()
+
+
+def test_registry_builds_it():
+    with get_transport("nixl", key=KEY, advertise_host="127.0.0.1") as transport:
+        assert isinstance(transport, NixlTransport)
+
+
+def test_handle_names_tcp_endpoints(owner):
+    own, src = owner
+    h = decode_handle(own.export("req", src.allocator.allocate(1), 1), KEY)
+    assert h.transport == "nixl"
+    assert h.owner.startswith("tcp://127.0.0.1:") and h.peer.startswith("tcp://127.0.0.1:")
+
+
+def test_fetch_copies_exact_blocks_and_release_frees(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    src.allocator.allocate(8)
+    src.allocator.free([0, 4, 5])
+    handle = own.export("req-1", [1, 2, 3, 6, 7], num_tokens=18)
+    rd.fetch(handle, [9, 4, 5, 0, 1])
+    assert torch.equal(dst.tensor[:, [9, 4, 5, 0, 1]], src.tensor[:, [1, 2, 3, 6, 7]])
+    assert torch.all(dst.tensor[:, [2, 3, 6, 7, 8]] == -1)
+    wait_for(lambda: own.stats()["pulled"] == 1)
+    rd.release(handle)
+    wait_for(lambda: own.stats()["released"] == 1)
+    assert src.allocator.num_free == 12
+    stats = rd.stats()
+    assert stats["peers"] == 1 and stats["fetches"] == 1
+    assert stats["fetched_bytes"] == 5 * LAYOUT.block_bytes
+
+
+def test_metadata_is_fetched_once_per_owner(owner, reader):
+    (own, src), (rd, _) = owner, reader
+    for i in range(3):
+        handle = own.export(f"req-{i}", src.allocator.allocate(2), 8)
+        rd.fetch(handle, [2 * i, 2 * i + 1])
+        rd.release(handle)
+    assert own.stats()["metadata_answered"] == 1
+    wait_for(lambda: src.allocator.num_free == 12)
+
+
+def _rejected(rd, dst, handle, dst_ids, match, error=InvalidHandle):
+    with pytest.raises(error, match=match):
+        rd.fetch(handle, dst_ids)
+    assert torch.all(dst.tensor == -1)
+
+
+def test_bad_handles_are_rejected_before_reading(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    handle = own.export("req", src.allocator.allocate(2), 8)
+    h = decode_handle(handle, KEY)
+    forged = bytearray(handle)
+    forged[-40] ^= 0xFF
+    _rejected(rd, dst, bytes(forged), [0, 1], "MAC")
+    other_blocks = bytearray(handle)
+    other_blocks[-32 - 8 : -32] = struct.pack("<2I", 10, 11)
+    _rejected(rd, dst, bytes(other_blocks), [0, 1], "MAC")
+    _rejected(rd, dst, encode_handle(h, generate_key()), [0, 1], "MAC")
+    _rejected(rd, dst, encode_handle(replace(h, expiry=time.time() - 1), KEY), [0, 1], "expired")
+    _rejected(rd, dst, encode_handle(replace(h, transport="shm"), KEY), [0, 1], "transport")
+    # The first fetch of an owner's pool reads the endpoint; later ones use the cached agent.
+    _rejected(rd, dst, encode_handle(replace(h, peer="ipc:///x"), KEY), [0, 1], "endpoint")
+    _rejected(rd, dst, encode_handle(replace(h, block_ids=(12, 13)), KEY), [0, 1], "beyond")
+    other_pool = replace(h, pool_id=os.urandom(16))
+    _rejected(rd, dst, encode_handle(other_pool, KEY), [0, 1], "does not hold")
+    _rejected(rd, dst, handle, [0, 10], "range", ValueError)
+    assert own.stats()["pulled"] == 0
+
+
+def test_metadata_needs_the_key(owner):
+    own, src = owner
+    h = decode_handle(own.export("req", src.allocator.allocate(1), 1), KEY)
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(InvalidHandle, match="does not hold"):
+            request_pool(ctx, generate_key(), h.peer, h.pool_id, 2.0)
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(h.peer)
+        sock.send(encode_request(generate_key(), h.pool_id, b"n" * 16))
+        assert sock.recv() == b"SSMX"
+        sock.close(0)
+        good = request_pool(ctx, KEY, h.peer, h.pool_id, 2.0)
+        assert good.num_blocks == 12 and good.mem == "DRAM"
+        with pytest.raises(InvalidHandle, match="another request"):
+            sock = ctx.socket(zmq.REQ)
+            sock.connect(h.peer)
+            sock.send(encode_request(KEY, h.pool_id, b"a" * 16))
+            decode_answer(KEY, sock.recv(), h.pool_id, b"b" * 16)
+        sock.close(0)
+    finally:
+        ctx.term()
+    assert own.stats()["metadata_refused"] == 2
+
+
+def test_unreachable_owner_fails_within_the_metadata_timeout(owner):
+    own, src = owner
+    h = decode_handle(own.export("req", src.allocator.allocate(1), 1), KEY)
+    dead = replace(h, peer="tcp://127.0.0.1:9")
+    with NixlTransport(KEY, metadata_timeout_s=0.3, **LOOPBACK) as rd:
+        pool = KVPool(LAYOUT, 2)
+        rd.register(pool)
+        started = time.monotonic()
+        with pytest.raises(InvalidHandle, match="did not answer"):
+            rd.fetch(encode_handle(dead, KEY), [0])
+        assert time.monotonic() - started < 2.0
+
+
+def test_owner_can_fetch_its_own_handles(owner):
+    own, src = owner
+    ids = src.allocator.allocate(4)
+    handle = own.export("colocated", ids[:2], 8)
+    own.fetch(handle, ids[2:])
+    assert torch.equal(src.tensor[:, ids[2:]], src.tensor[:, ids[:2]])
+    own.release(handle)
+    assert own.stats()["released"] == 1 and src.allocator.num_free == 10
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="timeouts"):
+        NixlTransport(KEY, transfer_timeout_s=0)
+    with NixlTransport(KEY, **LOOPBACK) as t:
+        t.create_pool(LAYOUT, 2)
+        with pytest.raises(RuntimeError, match="already"):
+            t.create_pool(LAYOUT, 2)
