@@ -92,6 +92,12 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         metrics_port=args.metrics_port,
         host=args.host,
         plan=args.plan,
+        server_role=args.role,
+        prefill_urls=tuple(args.prefill_url or ()),
+        prefill_dns=args.prefill_dns,
+        transport=args.transport,
+        key_file=args.key_file,
+        advertise_host=args.advertise_host,
         **given,
     )
 
@@ -105,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         check_paths(spec, args.repo_dir)
     except ValueError as exc:
         args.parser.exit(2, f"splitserve serve: error: {exc}\n")
+    if args.openai_port is not None and "llm" not in spec.models:
+        args.parser.exit(2, "splitserve serve: error: --openai-port needs a server with llm\n")
     args.model = spec.model
     args.layout = spec.layout
     args.max_model_len = spec.settings.get("max_model_len")
@@ -120,6 +128,45 @@ def cmd_openai(args: argparse.Namespace) -> None:
     from splitserve.openai.server import run
 
     run(options_from_args(args))
+
+
+def add_split_arguments(s: argparse.ArgumentParser) -> None:
+    """Flags of prefill and decode on different servers (docs/multinode.md)."""
+    s.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
+        help="both (default): one server runs prefill and decode; prefill: only `prefill`, for "
+        "decode servers elsewhere; decode: `llm`, calling the prefill servers below",
+    )
+    s.add_argument(
+        "--prefill-url",
+        action="append",
+        metavar="HOST:PORT",
+        help="gRPC address of a prefill server (--role decode; repeatable)",
+    )
+    s.add_argument(
+        "--prefill-dns",
+        metavar="NAME[:PORT]",
+        help="DNS name re-resolved every few seconds to the prefill servers, e.g. a Kubernetes "
+        "headless Service (--role decode; port default 8001)",
+    )
+    s.add_argument(
+        "--transport",
+        choices=["shm", "cuda_ipc", "nixl"],
+        help="KV handoff: shm (CPU, one host), cuda_ipc (GPU, one host), nixl (across hosts; "
+        "the default of --role prefill/decode)",
+    )
+    s.add_argument(
+        "--key-file",
+        help="hex handle key (mode 0600) shared by the prefill and decode servers of one "
+        "deployment; required with --role prefill/decode",
+    )
+    s.add_argument(
+        "--advertise-host",
+        help="the address of this host that peers dial for KV (default: what the host name "
+        "resolves to)",
+    )
 
 
 def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
@@ -174,6 +221,7 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--openai-port", type=int, help="also serve the OpenAI-compatible API on this port"
     )
+    add_split_arguments(s)
     add_frontend_arguments(s)
     s.set_defaults(func=cmd_serve, parser=s)
 

@@ -25,6 +25,7 @@ from splitserve.deploy.spec import (
     server_cores,
     setting_from_text,
 )
+from splitserve.transport.key import HandleKeyError, key_environ, read_key_file
 
 log = logging.getLogger(__name__)
 SHELL_SPECIAL = re.compile(r"[\s'\"\\$`!*?&;|<>(){}\[\]#]")
@@ -36,7 +37,8 @@ class ServeOptions:
 
     model: str | None = None
     """A checkpoint directory or ``tiny``; default: the plan's model, else ``tiny``."""
-    layout: str = "both"
+    layout: str | None = None
+    """Default: ``both`` on one server, ``disagg`` for a server of one role."""
     settings: dict[str, str] = field(default_factory=dict)
     """Engine and serving settings as the command line spells them (``--param``, ``--dtype``)."""
     prefill_instances: int = 1
@@ -60,10 +62,42 @@ class ServeOptions:
     plan: Path | None = None
     """A ``plan.json`` from ``splitserve plan search``: its deployment sets the layout,
     placement and batching limits; ``model`` and ``settings`` still apply over it."""
+    server_role: str = "both"
+    prefill_urls: tuple[str, ...] = ()
+    prefill_dns: str | None = None
+    transport: str | None = None
+    key_file: str | None = None
+    advertise_host: str | None = None
 
 
 def typed_settings(raw: dict[str, str]) -> dict[str, Any]:
     return {key: setting_from_text(key, value) for key, value in raw.items()}
+
+
+def _split_settings(opts: ServeOptions) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings the role and network flags add: to every role, and to decode only."""
+    shared: dict[str, Any] = {}
+    if opts.transport is not None:
+        shared["transport"] = opts.transport
+    if opts.advertise_host is not None:
+        shared["advertise_host"] = opts.advertise_host
+    decode: dict[str, Any] = {}
+    if opts.prefill_urls:
+        decode["prefill_urls"] = ",".join(opts.prefill_urls)
+    if opts.prefill_dns is not None:
+        decode["prefill_dns"] = opts.prefill_dns
+    return shared, decode
+
+
+def _with_split(spec: DeploymentSpec, opts: ServeOptions) -> DeploymentSpec:
+    shared, decode = _split_settings(opts)
+    return replace(
+        spec,
+        settings={**spec.settings, **shared},
+        decode=replace(spec.decode, settings={**spec.decode.settings, **decode}),
+        server_role=opts.server_role,
+        key_file=opts.key_file,
+    )
 
 
 def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
@@ -84,13 +118,16 @@ def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
         spec_role = spec.role(name)
         return replace(spec_role, settings={**spec_role.settings, **given})
 
-    return replace(
-        spec,
-        settings={**spec.settings, **given},
-        prefill=role("prefill"),
-        decode=role("decode"),
-        colocated=role("colocated"),
-        **_serving_fields(opts),
+    return _with_split(
+        replace(
+            spec,
+            settings={**spec.settings, **given},
+            prefill=role("prefill"),
+            decode=role("decode"),
+            colocated=role("colocated"),
+            **_serving_fields(opts),
+        ),
+        opts,
     )
 
 
@@ -111,12 +148,13 @@ def build_spec(opts: ServeOptions) -> DeploymentSpec:
     if opts.plan is not None:
         return spec_from_plan(opts)
     settings = {"model": opts.model or "tiny", **typed_settings(opts.settings)}
+    layout = opts.layout or ("both" if opts.server_role == "both" else "disagg")
     if opts.device == "gpu":
         core_flags = (opts.prefill_cores, opts.decode_cores, opts.colocated_cores)
         if any(flag is not None for flag in core_flags):
             raise ValueError("core sets apply to --device cpu; GPU instances take GPU ids")
         base = default_gpu_spec(
-            opts.layout,
+            layout,
             settings,
             parse_gpus(opts.prefill_gpus or "0"),
             parse_gpus(opts.decode_gpus or "0"),
@@ -126,21 +164,26 @@ def build_spec(opts: ServeOptions) -> DeploymentSpec:
         gpu_flags = (opts.prefill_gpus, opts.decode_gpus, opts.colocated_gpus)
         if any(flag is not None for flag in gpu_flags):
             raise ValueError("GPU ids need --device gpu")
-        base = default_cpu_spec(opts.layout, settings)
+        base = default_cpu_spec(layout, settings)
     else:
         raise ValueError(f"device must be 'cpu' or 'gpu', got {opts.device!r}")
 
     def role(spec: RoleSpec, instances: int, cores: str | None) -> RoleSpec:
+        if cores is None and opts.server_role != "both" and opts.device == "cpu":
+            cores = base.colocated.cpu_cores  # a server of one role computes on all its cores
         return replace(
             spec, instances=instances, cpu_cores=spec.cpu_cores if cores is None else cores
         )
 
-    return replace(
-        base,
-        prefill=role(base.prefill, opts.prefill_instances, opts.prefill_cores),
-        decode=role(base.decode, opts.decode_instances, opts.decode_cores),
-        colocated=role(base.colocated, opts.colocated_instances, opts.colocated_cores),
-        **_serving_fields(opts),
+    return _with_split(
+        replace(
+            base,
+            prefill=role(base.prefill, opts.prefill_instances, opts.prefill_cores),
+            decode=role(base.decode, opts.decode_instances, opts.decode_cores),
+            colocated=role(base.colocated, opts.colocated_instances, opts.colocated_cores),
+            **_serving_fields(opts),
+        ),
+        opts,
     )
 
 
@@ -188,6 +231,20 @@ def check_paths(spec: DeploymentSpec, repo: Path | None) -> None:
         )
     if not spec.model.isascii():
         raise ValueError(f"the model's stubs cannot open {spec.model!r}: use an ASCII path")
+    if spec.key_file is not None:
+        server_key(spec)
+
+
+def server_key(spec: DeploymentSpec) -> dict[str, str]:
+    """The environment that hands the deployment's key to the server: the key file's, read
+    and checked here (ValueError naming the file if it is missing, unreadable or readable by
+    others); empty without a key file (the launcher makes a fresh key)."""
+    if spec.key_file is None:
+        return {}
+    try:
+        return key_environ(read_key_file(spec.key_file))
+    except HandleKeyError as exc:
+        raise ValueError(f"--key-file: {exc}") from None
 
 
 def start_server(spec: DeploymentSpec, repo_dir: Path | None = None) -> TritonServer:
@@ -208,6 +265,7 @@ def start_server(spec: DeploymentSpec, repo_dir: Path | None = None) -> TritonSe
         host=spec.host,
         backend_config={"python": {"thread-pool-size": spec.thread_pool_size}},
         server_cores=server_cores(spec),
+        env=server_key(spec),
     )
     return server.start()
 
@@ -245,7 +303,8 @@ def serve_forever(
         signal.signal(sig, lambda *_: stop.set())
     server = start_server(spec, repo_dir)
     models = ", ".join(spec.models)
-    print(f"splitserve: serving {spec.model!r} ({spec.layout}: {models})", flush=True)
+    role = "" if spec.server_role == "both" else f", role {spec.server_role}"
+    print(f"splitserve: serving {spec.model!r} ({spec.layout}{role}: {models})", flush=True)
     print(f"  HTTP     {server.http_url}  (POST /v2/models/llm/generate_stream)", flush=True)
     print(f"  gRPC     {server.grpc_url}", flush=True)
     print(f"  metrics  {server.metrics_url}", flush=True)

@@ -31,6 +31,11 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "both": ("llm", "prefill", "llm_colocated"),
 }
 ROLE_OF = {"llm": "decode", "prefill": "prefill", "llm_colocated": "colocated"}
+SERVER_ROLES = ("both", "prefill", "decode")
+"""What one server runs: ``both`` phases (one server), or only ``prefill`` / ``decode`` (the
+split across servers, KV over the network)."""
+SPLIT_TRANSPORT = "nixl"
+REMOTE_KEYS = ("prefill_urls", "prefill_dns")
 GPU_TRANSPORT = "cuda_ipc"
 PLACED = frozenset({"role", "engine", "cpu_cores", "core_lock", "lent_cores"})
 """ServingConfig fields the spec derives from placement and lending, never set directly."""
@@ -112,10 +117,20 @@ class DeploymentSpec:
     metrics_port: int = 8002
     thread_pool_size: int = 128
     """The Python backend's thread pool (BLS calls and decoupled senders)."""
+    server_role: str = "both"
+    """``both``: the layout's models on this server. ``prefill``: only ``prefill``, serving
+    decode servers elsewhere. ``decode``: the layout's other models, ``llm`` calling the prefill
+    servers named by the decode role's ``prefill_urls`` or ``prefill_dns``."""
+    key_file: str | None = None
+    """The handle key (hex, mode 0600) shared by the prefill and decode servers of one
+    deployment; required when the roles are split. None: a fresh key per server start."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
+        if self.server_role not in SERVER_ROLES:
+            raise ValueError(f"role must be one of {list(SERVER_ROLES)}, got {self.server_role!r}")
+        self._check_split()
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if self.prefill_max_batch_size <= 0 or self.prefill_queue_delay_us < 0:
@@ -138,8 +153,31 @@ class DeploymentSpec:
         for model in self.models:
             self.serving_config(model, Path("/"))
 
+    def _check_split(self) -> None:
+        split = self.server_role != "both"
+        if split and "prefill" not in LAYOUTS[self.layout]:
+            raise ValueError(f"--role {self.server_role} needs a layout with prefill (disagg)")
+        if split and not self.key_file:
+            raise ValueError(
+                f"--role {self.server_role} needs --key-file: the handle key shared by the "
+                "prefill and decode servers"
+            )
+        for key in REMOTE_KEYS:
+            if key in self.settings:
+                raise ValueError(f"{key} is a decode-role setting (decode.settings)")
+        remote = [k for k in REMOTE_KEYS if self.decode.settings.get(k)]
+        if self.server_role == "decode" and not remote:
+            raise ValueError("--role decode needs --prefill-url HOST:PORT or --prefill-dns NAME")
+        if self.server_role != "decode" and remote:
+            flags = ", ".join(remote)
+            raise ValueError(f"{flags} apply to --role decode (this server runs its own prefill)")
+
     @property
     def models(self) -> tuple[str, ...]:
+        if self.server_role == "prefill":
+            return ("prefill",)
+        if self.server_role == "decode":
+            return tuple(m for m in LAYOUTS[self.layout] if m != "prefill")
         return LAYOUTS[self.layout]
 
     @property
@@ -163,6 +201,8 @@ class DeploymentSpec:
         role = ROLE_OF[model]
         spec = self.role(role)
         merged = {**self.settings, **spec.settings}
+        if role in ("prefill", "decode") and self.server_role != "both":
+            merged.setdefault("transport", SPLIT_TRANSPORT)
         if self.device == "gpu":
             merged["device"] = "cuda"
             if role in ("prefill", "decode"):
@@ -190,8 +230,8 @@ class DeploymentSpec:
 
 def lending_refusal(spec: DeploymentSpec) -> str | None:
     """Why the prefill instance of ``spec`` cannot lend its cores to decode, or None."""
-    if spec.device != "cpu" or "prefill" not in spec.models:
-        return "lending prefill cores needs a CPU layout with prefill and decode"
+    if spec.device != "cpu" or spec.server_role != "both" or "prefill" not in spec.models:
+        return "lending prefill cores needs a CPU layout with prefill and decode on one server"
     if spec.prefill.instances != 1 or spec.decode.instances != 1:
         return "lending prefill cores needs one prefill and one decode instance"
     prefill = parse_core_sets(spec.prefill.cpu_cores)

@@ -48,6 +48,18 @@ class ServingConfig:
     for prefill, KV blocks or a batch slot); more are refused with UNAVAILABLE. 0: no bound."""
     request_timeout_s: float | None = None
     """Seconds a request may take if it gives no ``timeout``/``deadline_ms``; None: no limit."""
+    prefill_urls: str = ""
+    """Decode role: comma-separated ``HOST:PORT`` gRPC addresses of prefill servers, called
+    instead of the local ``prefill`` model. Empty: BLS to the local model."""
+    prefill_dns: str = ""
+    """Decode role: ``NAME[:PORT]`` resolved every few seconds to the prefill servers (one per
+    address record: a Kubernetes headless Service). Excludes ``prefill_urls``."""
+    advertise_host: str = ""
+    """The address of this host that remote readers dial for KV (``nixl``); empty: what the
+    host name resolves to."""
+    kv_transfer_timeout_s: float = 10.0
+    """How long decode waits for one request's KV to arrive over the network (``nixl``)
+    before it abandons the transfer and recomputes the prompt itself."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +72,7 @@ class ServingConfig:
             "prefill_retry_s",
             "cancel_poll_s",
             "metrics_interval_s",
+            "kv_transfer_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -69,6 +82,10 @@ class ServingConfig:
         if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):
             raise ValueError("request_timeout_s must be positive and finite (or None: no deadline)")
         parse_core_sets(self.cpu_cores)
+        if self.prefill_urls and self.prefill_dns:
+            raise ValueError("prefill_urls and prefill_dns exclude each other")
+        if (self.prefill_urls or self.prefill_dns) and self.role != "decode":
+            raise ValueError("prefill_urls and prefill_dns apply to the decode role")
         borrows = self.role == "decode" and bool(self.core_lock)
         if self.lent_cores and not borrows:
             raise ValueError("lent_cores applies to the decode role with a core_lock")
@@ -88,6 +105,18 @@ class ServingConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{CONFIG_PARAMETER}: expected a JSON object")
         return build(cls, data, where=CONFIG_PARAMETER, nested={"engine": EngineConfig})
+
+    @property
+    def remote_prefill(self) -> bool:
+        return bool(self.prefill_urls or self.prefill_dns)
+
+    def transport_options(self) -> dict[str, object]:
+        """Constructor options of this role's KV transport beyond the key."""
+        options: dict[str, object] = {"lease_ttl_s": self.lease_ttl_s}
+        if self.transport == "nixl":
+            options["advertise_host"] = self.advertise_host or None
+            options["transfer_timeout_s"] = self.kv_transfer_timeout_s
+        return options
 
     @property
     def lent_core_set(self) -> set[int]:

@@ -39,7 +39,9 @@ class DecodeModel(GenerateModelBase):
 
     def make_pool(self) -> KVPool:
         self.key = load_key()
-        self.transport = get_transport(self.cfg.transport, key=self.key)
+        self.transport = get_transport(
+            self.cfg.transport, key=self.key, **self.cfg.transport_options()
+        )
         pool = self.parts.new_pool()
         self.transport.register(pool)
         return pool

@@ -66,7 +66,7 @@ class PrefillModel:
         cfg = setup_instance(args, "prefill")
         parts = build_components(cfg.engine)
         self.key = load_key()
-        self.transport = get_transport(cfg.transport, key=self.key, lease_ttl_s=cfg.lease_ttl_s)
+        self.transport = get_transport(cfg.transport, key=self.key, **cfg.transport_options())
         pool = self.transport.create_pool(parts.layout, parts.num_blocks, cfg.engine.device)
         self.transport.register(pool)
         self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
