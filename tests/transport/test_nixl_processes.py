@@ -122,3 +122,21 @@ def test_killed_owner_handles_fail_cleanly(owner):
         with pytest.raises((InvalidHandle, RuntimeError, BlocksStillWritten)):
             rd.fetch(handle, dst)
         wait_for(lambda: rd.reap() == 0)
+
+
+def test_owner_killed_during_an_abandoned_read_returns_its_blocks(owner):
+    rd, pool = reader(timeout_s=0.5)
+    with rd:
+        warm = owner("export", 1, 1)
+        rd.fetch(warm, pool.allocator.allocate(1))
+        rd.release(warm)
+        handle = owner("export", 256, 256 * 16)
+        dst = pool.allocator.allocate(256)
+        os.kill(owner.pid, signal.SIGSTOP)
+        with pytest.raises(BlocksStillWritten):
+            rd.fetch(handle, dst)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.proc.join(10)
+        # The failed READ settles (NIXL reports the disconnect) and its blocks come back.
+        wait_for(lambda: rd.reap() == 0)
+        assert pool.allocator.num_free == BLOCKS - 1

@@ -14,6 +14,8 @@ from splitserve.typed_values import build
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSPORTS = ("cuda_ipc", "nixl", "shm")
+PULL_MARGIN_S = 5.0
+"""How much longer than a NIXL reader's transfer timeout its owner keeps blocks being read."""
 CONFIG_PARAMETER = "splitserve_config"
 """The ``config.pbtxt`` parameter that carries a model's ServingConfig as JSON."""
 
@@ -54,6 +56,9 @@ class ServingConfig:
     prefill_dns: str = ""
     """Decode role: ``NAME[:PORT]`` resolved every few seconds to the prefill servers (one per
     address record: a Kubernetes headless Service). Excludes ``prefill_urls``."""
+    prefill_call_timeout_s: float = 60.0
+    """Decode role with remote prefill: the gRPC deadline of one prefill call, which is how a
+    prefill server that went silent (a cut link) is noticed; the call then fails over."""
     advertise_host: str = ""
     """The address of this host that remote readers dial for KV (``nixl``); empty: what the
     host name resolves to."""
@@ -73,6 +78,7 @@ class ServingConfig:
             "cancel_poll_s",
             "metrics_interval_s",
             "kv_transfer_timeout_s",
+            "prefill_call_timeout_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -116,6 +122,9 @@ class ServingConfig:
         if self.transport == "nixl":
             options["advertise_host"] = self.advertise_host or None
             options["transfer_timeout_s"] = self.kv_transfer_timeout_s
+            # A reader gives a READ up at its transfer timeout, so an owner whose reader died
+            # mid-read need not keep the blocks for the default minute.
+            options["pull_ttl_s"] = self.kv_transfer_timeout_s + PULL_MARGIN_S
         return options
 
     @property

@@ -34,6 +34,11 @@ COUNTERS = {
     "kv_handoffs_total": "KV handoffs pulled by this instance",
     "kv_handoff_bytes_total": "Bytes of KV pulled by this instance",
     "kv_handoff_seconds_total": "Seconds spent pulling KV",
+    "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
+    "(the request's prompt is recomputed here)",
+    "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
+    "prefill_failovers_total": "Remote prefill calls retried on another prefill server after "
+    "the first one failed",
     "engine_steps_total": "Forward passes of this instance's engine (a decode step of its "
     "running batch, or a batch of prompts)",
     "engine_busy_seconds_total": "Seconds this instance's engine spent in forward passes; its "
@@ -188,6 +193,9 @@ TRANSPORT_COUNTERS = {
     "fetches": ("kv_handoffs_total", 1.0),
     "fetched_bytes": ("kv_handoff_bytes_total", 1.0),
     "fetch_ns": ("kv_handoff_seconds_total", 1e-9),
+    "transfer_timeouts": ("kv_transfer_timeouts_total", 1.0),
+    "prefill_calls": ("prefill_calls_total", 1.0),
+    "prefill_failovers": ("prefill_failovers_total", 1.0),
 }
 """``KVTransport.stats()`` key -> (counter name, scale)."""
 

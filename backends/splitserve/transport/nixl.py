@@ -200,11 +200,26 @@ class NixlTransport(LeasedTransport):
             self._agent.get_xfer_descs(remote, peer.mem),
         )
 
+    def _state(self, xfer: Any, post: bool = False) -> str:
+        """``PROC``, ``DONE`` or ``ERR``; NIXL raises for a failed transfer (a peer that
+        disconnected), which is ``ERR`` here."""
+        try:
+            return str(self._agent.transfer(xfer) if post else self._agent.check_xfer_state(xfer))
+        except Exception as exc:  # nixl's binding errors share no base class beyond Exception
+            log.warning("KV transfer failed: %r", exc)
+            return "ERR"
+
+    def _release_xfer(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception:  # a failed transfer's handle; the agent frees it at close
+            log.warning("could not release a KV transfer handle", exc_info=True)
+
     def _read(self, peer: PeerPool, h: KVHandle, dst: list[int]) -> None:
         local, remote = self._descriptors(peer, h.block_ids, dst)
         xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name)
         deadline = time.monotonic() + self._transfer_timeout_s
-        state = self._agent.transfer(xfer)
+        state = self._state(xfer, post=True)
         pause = 20e-6
         while state == "PROC":
             if time.monotonic() > deadline:
@@ -217,8 +232,8 @@ class NixlTransport(LeasedTransport):
                 )
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-            state = self._agent.check_xfer_state(xfer)
-        self._agent.release_xfer_handle(xfer)
+            state = self._state(xfer)
+        self._release_xfer(xfer)
         if state != "DONE":
             self._counts["transfer_errors"] += 1
             raise RuntimeError(f"KV transfer from {peer.agent_name} failed ({state})")
@@ -229,10 +244,10 @@ class NixlTransport(LeasedTransport):
         assert self._pool is not None
         held = []
         for item in self._abandoned:
-            if self._agent.check_xfer_state(item.xfer) == "PROC":
+            if self._state(item.xfer) == "PROC":
                 held.append(item)
                 continue
-            self._agent.release_xfer_handle(item.xfer)
+            self._release_xfer(item.xfer)
             self._pool.allocator.free(item.block_ids)
         self._abandoned = held
         return sum(len(item.block_ids) for item in held)
@@ -250,10 +265,7 @@ class NixlTransport(LeasedTransport):
         if self._agent is None:
             return
         for item in self._abandoned:
-            try:
-                self._agent.release_xfer_handle(item.xfer)
-            except Exception:  # the agent goes away with this process anyway
-                log.warning("could not release an abandoned KV transfer", exc_info=True)
+            self._release_xfer(item.xfer)
         self._abandoned.clear()
         for peer in self._peers.values():
             self._agent.remove_remote_agent(peer.agent_name)

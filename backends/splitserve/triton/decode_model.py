@@ -1,8 +1,9 @@
 """``llm``: the public entry and the decode stage of disaggregated serving.
 
-Per request: validate and tokenize, call ``prefill`` once through BLS, stream the first token,
-hand the request (with its KV handle) to the engine loop, which pulls the blocks when it has
-room and streams every further token straight to the client.
+Per request: validate and tokenize, call prefill once (BLS to the local ``prefill`` model, or
+gRPC to the prefill servers of ``--role decode``), stream the first token, hand the request
+(with its KV handle) to the engine loop, which pulls the blocks when it has room and streams
+every further token straight to the client.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
 from splitserve.engine.request import random_seed
 from splitserve.kv.pool import KVPool
 from splitserve.serving import bls_contract
 from splitserve.serving.frontend import Prepared
 from splitserve.serving.loop import TIMED_OUT
+from splitserve.serving.prefill_client import (
+    PrefillCall,
+    PrefillClient,
+    PrefillFailed,
+    PrefillReply,
+)
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
+from splitserve.triton.bls_prefill import BlsPrefillClient
 from splitserve.triton.streaming_model import GenerateModelBase
 
 log = logging.getLogger(__name__)
@@ -44,10 +49,21 @@ class DecodeModel(GenerateModelBase):
         )
         pool = self.parts.new_pool()
         self.transport.register(pool)
+        self.prefill_client = self._prefill_client()
         return pool
 
+    def _prefill_client(self) -> PrefillClient:
+        """BLS to the local ``prefill`` model, or gRPC to the prefill servers of the spec."""
+        if not self.cfg.remote_prefill:
+            return BlsPrefillClient(self.cfg.prefill_model)
+        from splitserve.serving.remote_prefill import RemotePrefillClient
+
+        return RemotePrefillClient.from_config(self.cfg)
+
     def transport_counts(self) -> dict[str, int]:
-        return self.transport.stats()
+        counts = self.transport.stats()
+        counts.update({f"prefill_{k}": v for k, v in self.prefill_client.stats().items()})
+        return counts
 
     async def execute(self, requests: list[Any]) -> None:
         await asyncio.gather(*(self._handle(r) for r in requests))
@@ -80,75 +96,71 @@ class DecodeModel(GenerateModelBase):
     async def _prefill(
         self, request: Any, rid: str, prep: Prepared, seed: int
     ) -> tuple[int, bytes] | None:
-        """The first token and KV handle from ``prefill``, retried while its pool is full; None
+        """The first token and KV handle from prefill, retried while its pool is full; None
         (and no lease held) if the client cancelled meanwhile. PrefillError once the request's
         deadline passed, too."""
-        params = bls_contract.params_to_json(prep.gen.params)
-        inputs = [
-            pb_utils.Tensor(bls_contract.INPUT_IDS, np.array([prep.prompt_ids], dtype=np.int64)),
-            pb_utils.Tensor(bls_contract.PARAMS, np.array([[params]], dtype=np.object_)),
-            pb_utils.Tensor(bls_contract.SEED, np.array([[seed]], dtype=np.uint64)),
-            pb_utils.Tensor(bls_contract.REQUEST_ID, np.array([[rid.encode()]], dtype=np.object_)),
-        ]
-        auth = bls_contract.auth_tag(self.key, rid)
+        call = PrefillCall(
+            prompt_ids=list(prep.prompt_ids),
+            params_json=bls_contract.params_to_json(prep.gen.params),
+            seed=seed,
+            request_id=rid,
+            auth=bls_contract.auth_tag(self.key, rid),
+        )
         retry_until = time.monotonic() + self.cfg.prefill_retry_s
         delay = 0.005
         while True:
-            response = await self._call_prefill(inputs, auth, prep.deadline)
-            if not response.has_error():
+            try:
+                reply = await self._call_prefill(request, call, prep.deadline)
                 break
-            message = response.error().message()
-            if bls_contract.POOL_FULL not in message:
-                raise PrefillError(f"prefill failed: {message}", "internal")
-            if time.monotonic() > retry_until:
-                raise PrefillError(f"server busy: {message}", "unavailable")
+            except PrefillFailed as exc:
+                # A full pool, or every prefill server failing (restarting, unreachable): tried
+                # again until prefill_retry_s; anything else is the request's own failure.
+                if not (exc.pool_full or exc.retryable):
+                    raise PrefillError(f"prefill failed: {exc}", "internal") from None
+                if time.monotonic() > retry_until:
+                    busy = "server busy" if exc.pool_full else "prefill unavailable"
+                    raise PrefillError(f"{busy}: {exc}", "unavailable") from None
             await asyncio.sleep(delay)
             # Asked between tries: a request nobody waits for must not retry on.
             if request.is_cancelled():
                 return None
             delay = min(delay * 2, 0.2)
-        first = pb_utils.get_output_tensor_by_name(response, bls_contract.FIRST_TOKEN).as_numpy()
-        handle = _handle_of(response)
-        if request.is_cancelled():
-            self.transport.release(handle)
+        if reply is None or request.is_cancelled():
+            if reply is not None:
+                self.transport.release(reply.kv_handle)
             return None
-        return int(first.reshape(-1)[0]), handle
+        return reply.first_token, reply.kv_handle
 
-    async def _call_prefill(self, inputs: list[Any], auth: str, deadline: float | None) -> Any:
-        """One BLS call to ``prefill``, waited for until ``deadline``. The call itself cannot be
-        stopped: a response that comes after the request timed out has its lease released here,
-        rather than held until it expires."""
+    async def _call_prefill(
+        self, request: Any, call: PrefillCall, deadline: float | None
+    ) -> PrefillReply | None:
+        """One prefill call, waited for until ``deadline`` while the client is still there.
+        None if the client cancelled: the call is cancelled (a remote one stops; a BLS one runs
+        on), and a lease that arrives anyway is released rather than held until it expires."""
         if deadline is not None and time.monotonic() >= deadline:
             raise PrefillError(TIMED_OUT, "unavailable")
-        call = asyncio.ensure_future(
-            pb_utils.InferenceRequest(
-                model_name=self.cfg.prefill_model,
-                requested_output_names=[bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE],
-                inputs=inputs,
-                parameters={bls_contract.AUTH: auth},
-            ).async_exec()
-        )
-        if deadline is None:
-            return await call
-        try:
-            return await asyncio.wait_for(asyncio.shield(call), deadline - time.monotonic())
-        except TimeoutError:
-            call.add_done_callback(self._release_late)
-            raise PrefillError(TIMED_OUT, "unavailable") from None
+        task = asyncio.ensure_future(self.prefill_client.prefill(call))
+        while True:
+            wait = self.cfg.cancel_poll_s
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            done, _ = await asyncio.wait({task}, timeout=max(wait, 0.0))
+            if done:
+                return task.result()
+            timed_out = deadline is not None and time.monotonic() >= deadline
+            if timed_out or request.is_cancelled():
+                task.add_done_callback(self._release_late)
+                task.cancel()
+                if timed_out:
+                    raise PrefillError(TIMED_OUT, "unavailable")
+                return None
 
-    def _release_late(self, call: asyncio.Future[Any]) -> None:
+    def _release_late(self, call: asyncio.Future[PrefillReply]) -> None:
         """Done-callback of a call the request stopped waiting for: free the lease it got."""
         if call.cancelled() or call.exception() is not None:
             return
-        response = call.result()
-        if not response.has_error():
-            self.transport.release(_handle_of(response))
+        self.transport.release(call.result().kv_handle)
 
     def finalize(self) -> None:
         super().finalize()
         self.transport.close()
-
-
-def _handle_of(response: Any) -> bytes:
-    """The KV handle in a successful response of ``prefill``."""
-    return pb_utils.get_output_tensor_by_name(response, bls_contract.KV_HANDLE).as_numpy().tobytes()

@@ -1,0 +1,61 @@
+"""How ``llm`` reaches prefill: one interface, over BLS (the local ``prefill`` model) or gRPC
+(remote prefill servers, ``serving.remote_prefill``). Pure data and an ABC: no I/O here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """One prompt that ``llm`` sends to prefill (``bls_contract`` names the tensors)."""
+
+    prompt_ids: list[int]
+    params_json: bytes
+    """``bls_contract.params_to_json`` of the request's sampling parameters."""
+    seed: int
+    request_id: str
+    auth: str
+    """``bls_contract.auth_tag`` of ``request_id``: prefill refuses calls without it."""
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    first_token: int
+    kv_handle: bytes
+    """The lease on the prompt's KV blocks; whoever gets it must release it."""
+    server: str
+    """Who prefilled: ``"local"`` over BLS, else the server's ``host:port``."""
+
+
+class PrefillFailed(RuntimeError):
+    """A prefill call that produced no reply."""
+
+    def __init__(self, message: str, *, pool_full: bool = False, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.pool_full = pool_full
+        """Prefill said its KV pool is full now: the caller backs off and calls again."""
+        self.retryable = retryable
+        """The server failed (connection, unavailable, died), not the request: another server
+        (or the same one later) may succeed."""
+
+
+class PrefillClient(ABC):
+    """Calls prefill for ``llm``. Used from one event loop (the model's)."""
+
+    @abstractmethod
+    async def prefill(self, call: PrefillCall) -> PrefillReply:
+        """The first token and KV handle of ``call``; PrefillFailed if there is none.
+
+        Cancelling the awaiting task cancels the call where the transport allows it (gRPC
+        does, BLS does not); a reply that arrives anyway is the caller's to release."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop background work and drop connections; no call may follow."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters for the metrics endpoint (``calls``, ``failures``, ...); read on the
+        metrics thread, so safe to call from a thread other than the loop's."""

@@ -1,0 +1,304 @@
+"""``PrefillClient`` over gRPC: ``llm`` of a decode server calls the ``prefill`` model of remote
+prefill servers (``--role prefill``), chosen per call by ``PrefillRouter``.
+
+Per call: pick the server with the fewest calls in flight, ``infer`` there. A server that does
+not answer (connection refused, UNAVAILABLE, deadline, a dead stub) goes out of rotation and
+the call is tried once more on another server; an answer (including "pool full") keeps it in.
+
+A background task on the model's event loop, started by the first call, re-resolves discovery,
+probes the servers out of rotation every second (``is_server_ready``; an answer brings one back
+at once instead of when its backoff ends) and closes the connections of servers that left.
+
+Cancelling the task that awaits ``prefill`` cancels the gRPC call: grpc.aio cancels an RPC whose
+awaiting task is cancelled, and tritonserver then cancels the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException
+
+from splitserve.serving import bls_contract
+from splitserve.serving.prefill_client import (
+    PrefillCall,
+    PrefillClient,
+    PrefillFailed,
+    PrefillReply,
+)
+from splitserve.serving.prefill_discovery import Discovery, discovery_from
+from splitserve.serving.prefill_router import PrefillRouter
+
+if TYPE_CHECKING:
+    from splitserve.serving.serving_config import ServingConfig
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 60.0
+"""Default gRPC deadline of one prefill call (``ServingConfig.prefill_call_timeout_s``): how a
+server that went silent without closing the connection is noticed (``llm`` cancels earlier at
+a request's own deadline)."""
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 1.0
+
+RETRYABLE_STATUS = frozenset(
+    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED", "NOT_FOUND"}
+)
+"""gRPC codes that mean the server (not the request) failed: it is unreachable or stopping
+(UNAVAILABLE; also a Triton model not ready), silent (DEADLINE_EXCEEDED), ended the call itself
+(CANCELLED, ABORTED; ours is asyncio.CancelledError instead), or lacks the model (NOT_FOUND)."""
+STUB_DIED = "is not healthy"
+"""Triton's INTERNAL error of a Python-backend model whose stub process died."""
+
+_MAX_MESSAGE = 2**31 - 1
+# grpc's own reconnect backoff grows to 120 s: a restarted server would stay unreachable on the
+# old channel long after probes should have found it. Capped near the probe interval instead.
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def status_name(exc: InferenceServerException) -> str:
+    """``UNAVAILABLE`` of tritonclient's ``StatusCode.UNAVAILABLE``; "" without a status (an
+    error raised by the client itself)."""
+    return str(exc.status() or "").removeprefix("StatusCode.")
+
+
+def classify(server: str, exc: InferenceServerException) -> PrefillFailed:
+    """The PrefillFailed of a failed call to ``server``: pool full (an answer: back off and
+    call again), retryable (the server failed: try another) or neither (the request failed)."""
+    message = str(exc.message() or exc)
+    status = status_name(exc)
+    text = f"prefill server {server}: {status or 'error'}: {message}"
+    if bls_contract.POOL_FULL in message:
+        return PrefillFailed(text, pool_full=True)
+    retryable = status in RETRYABLE_STATUS or STUB_DIED in message
+    return PrefillFailed(text, retryable=retryable)
+
+
+def connect_grpc(server: str) -> Any:
+    """A ``tritonclient.grpc.aio`` client of ``server`` (``host:port``); call in the loop."""
+    return grpcaio.InferenceServerClient(url=server, channel_args=_CHANNEL_ARGS)
+
+
+def prefill_inputs(call: PrefillCall) -> list[Any]:
+    """The ``prefill`` model's input tensors of ``call`` (``bls_contract`` names)."""
+    values = (
+        (bls_contract.INPUT_IDS, np.array([call.prompt_ids], dtype=np.int64), "INT64"),
+        (bls_contract.PARAMS, np.array([[call.params_json]], dtype=np.object_), "BYTES"),
+        (bls_contract.SEED, np.array([[call.seed]], dtype=np.uint64), "UINT64"),
+        (
+            bls_contract.REQUEST_ID,
+            np.array([[call.request_id.encode()]], dtype=np.object_),
+            "BYTES",
+        ),
+    )
+    inputs = []
+    for name, array, datatype in values:
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def to_reply(server: str, result: Any) -> PrefillReply:
+    first = result.as_numpy(bls_contract.FIRST_TOKEN)
+    handle = result.as_numpy(bls_contract.KV_HANDLE)
+    if first is None or handle is None or first.size != 1:
+        raise PrefillFailed(f"prefill server {server}: reply without first_token and kv_handle")
+    return PrefillReply(
+        first_token=int(first.reshape(-1)[0]), kv_handle=handle.tobytes(), server=server
+    )
+
+
+class RemotePrefillClient(PrefillClient):
+    """Calls ``model_name`` on the servers of ``discovery``. Create, call and close it on one
+    event loop (the model's); nothing starts before the first call."""
+
+    def __init__(
+        self,
+        discovery: Discovery,
+        *,
+        model_name: str = "prefill",
+        call_timeout_s: float | None = CALL_TIMEOUT_S,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        router: PrefillRouter | None = None,
+        connect: Callable[[str], Any] = connect_grpc,
+    ) -> None:
+        self.discovery = discovery
+        self.model_name = model_name
+        self.call_timeout_s = call_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.router = router if router is not None else PrefillRouter()
+        self._connect = connect
+        self._clients: dict[str, Any] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._discovered: asyncio.Event | None = None
+        """Set once the first discovery is done (the first calls wait for it)."""
+        self._closed = False
+        self._counts = dict.fromkeys(
+            ("calls", "failovers", "failures", "pool_full", "cancelled", "server_failures"), 0
+        )
+
+    @classmethod
+    def from_config(cls, cfg: ServingConfig) -> RemotePrefillClient:
+        """The client of a decode config with ``prefill_urls`` or ``prefill_dns``."""
+        return cls(
+            discovery_from(cfg.prefill_urls, cfg.prefill_dns),
+            model_name=cfg.prefill_model,
+            call_timeout_s=cfg.prefill_call_timeout_s,
+        )
+
+    async def prefill(self, call: PrefillCall) -> PrefillReply:
+        if self._closed:
+            raise PrefillFailed("prefill client is closed")
+        self._counts["calls"] += 1
+        await self._started()
+        inputs = prefill_inputs(call)
+        tried: set[str] = set()
+        failure: PrefillFailed | None = None
+        # At most two servers: the picked one and, if it failed as a server, one other.
+        while len(tried) < 2:
+            server = self.router.pick(exclude=tried)
+            if server is None:
+                break
+            if tried:
+                self._counts["failovers"] += 1
+            tried.add(server)
+            try:
+                return await self._call(server, call, inputs)
+            except PrefillFailed as exc:
+                if not exc.retryable:
+                    self._counts["failures"] += 1
+                    self._counts["pool_full"] += exc.pool_full
+                    raise
+                failure = exc
+        self._counts["failures"] += 1
+        if failure is None:
+            raise PrefillFailed(
+                f"no prefill server known ({self.discovery.describe()})", retryable=True
+            )
+        raise failure
+
+    async def _call(self, server: str, call: PrefillCall, inputs: list[Any]) -> PrefillReply:
+        """One ``infer`` on ``server``; the router learns how it went."""
+        client = self._client(server)
+        self.router.begin(server)
+        try:
+            result = await client.infer(
+                model_name=self.model_name,
+                inputs=inputs,
+                outputs=[
+                    grpcclient.InferRequestedOutput(bls_contract.FIRST_TOKEN),
+                    grpcclient.InferRequestedOutput(bls_contract.KV_HANDLE),
+                ],
+                request_id=call.request_id,
+                parameters={bls_contract.AUTH: call.auth},
+                client_timeout=self.call_timeout_s,
+            )
+        except InferenceServerException as exc:
+            failed = classify(server, exc)
+            if failed.retryable:
+                self._server_failed(server, failed)
+            else:
+                self.router.mark_ok(server)  # it answered
+            raise failed from None
+        except asyncio.CancelledError:
+            self._counts["cancelled"] += 1
+            raise
+        finally:
+            self.router.end(server)
+        self.router.mark_ok(server)
+        return to_reply(server, result)
+
+    def _server_failed(self, server: str, failed: PrefillFailed) -> None:
+        self._counts["server_failures"] += 1
+        backoff = self.router.mark_failed(server)
+        log.warning("%s; out of rotation for %.0f s", failed, backoff)
+
+    def _client(self, server: str) -> Any:
+        client = self._clients.get(server)
+        if client is None:
+            client = self._clients[server] = self._connect(server)
+        return client
+
+    async def _started(self) -> None:
+        """Start the background task on first use, and wait for the first discovery."""
+        if self._task is None:
+            self._discovered = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(
+                self._maintain(), name="splitserve-prefill-health"
+            )
+        assert self._discovered is not None
+        await self._discovered.wait()
+
+    async def _maintain(self) -> None:
+        """Every ``probe_interval_s``: discovery when due, probes, connections of servers gone."""
+        assert self._discovered is not None
+        while True:
+            try:
+                await self._refresh()
+                self._discovered.set()
+                await self._probe()
+                await self._close_dropped()
+            except Exception:  # the task must outlive any one bad round
+                log.exception("prefill health round failed")
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _refresh(self) -> None:
+        servers = await self.discovery.poll(time.monotonic())
+        if servers is not None and servers != self.router.servers:
+            log.info("prefill servers: %s", ", ".join(sorted(servers)) or "none")
+            self.router.update(servers)
+
+    async def _probe(self) -> None:
+        down = self.router.down()
+        ready = await asyncio.gather(*(self._is_ready(s) for s in down))
+        for server, ok in zip(down, ready, strict=True):
+            if ok:
+                log.info("prefill server %s is ready again", server)
+                self.router.mark_ok(server)
+
+    async def _is_ready(self, server: str) -> bool:
+        try:
+            return bool(
+                await self._client(server).is_server_ready(client_timeout=self.probe_timeout_s)
+            )
+        except InferenceServerException:
+            return False
+
+    async def _close_dropped(self) -> None:
+        """Close the connections of servers discovery dropped, once their calls ended."""
+        known = self.router.servers
+        for server in list(self._clients):
+            if server not in known and not self.router.outstanding(server):
+                await self._clients.pop(server).close()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.close()
+
+    def stats(self) -> dict[str, int]:
+        """Safe to call from another thread (the metrics one)."""
+        return {**dict(self._counts), **self.router.counts()}

@@ -1,0 +1,63 @@
+"""``PrefillClient`` over BLS: ``llm`` calls the ``prefill`` model of its own tritonserver."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from splitserve.serving import bls_contract
+from splitserve.serving.prefill_client import (
+    PrefillCall,
+    PrefillClient,
+    PrefillFailed,
+    PrefillReply,
+)
+
+
+class BlsPrefillClient(PrefillClient):
+    """One BLS call per prompt. A cancelled call still runs to its end inside Triton (BLS
+    calls cannot be stopped); the caller releases a lease that arrives late."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._counts = dict.fromkeys(("calls", "failures"), 0)
+
+    async def prefill(self, call: PrefillCall) -> PrefillReply:
+        inputs = [
+            pb_utils.Tensor(bls_contract.INPUT_IDS, np.array([call.prompt_ids], dtype=np.int64)),
+            pb_utils.Tensor(bls_contract.PARAMS, np.array([[call.params_json]], dtype=np.object_)),
+            pb_utils.Tensor(bls_contract.SEED, np.array([[call.seed]], dtype=np.uint64)),
+            pb_utils.Tensor(
+                bls_contract.REQUEST_ID, np.array([[call.request_id.encode()]], dtype=np.object_)
+            ),
+        ]
+        self._counts["calls"] += 1
+        response = await pb_utils.InferenceRequest(
+            model_name=self.model_name,
+            requested_output_names=[bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE],
+            inputs=inputs,
+            parameters={bls_contract.AUTH: call.auth},
+        ).async_exec()
+        if response.has_error():
+            self._counts["failures"] += 1
+            message = response.error().message()
+            raise PrefillFailed(message, pool_full=bls_contract.POOL_FULL in message)
+        return PrefillReply(
+            first_token=int(_output(response, bls_contract.FIRST_TOKEN).reshape(-1)[0]),
+            kv_handle=_output(response, bls_contract.KV_HANDLE).tobytes(),
+            server="local",
+        )
+
+    async def close(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._counts)
+
+
+def _output(response: Any, name: str) -> np.ndarray:
+    array = pb_utils.get_output_tensor_by_name(response, name).as_numpy()
+    assert isinstance(array, np.ndarray)
+    return array

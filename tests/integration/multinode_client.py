@@ -1,0 +1,98 @@
+"""A client run inside a network namespace of the multi-node tests (their servers are reachable
+only from there): one command per call, one JSON document on stdout.
+
+    multinode_client.py ready HTTP_URL
+    multinode_client.py generate GRPC_URL PROMPT MAX_TOKENS [IGNORE_EOS]
+    multinode_client.py load GRPC_URL N MAX_TOKENS TIMEOUT_S [PROMPT_WORDS]
+    multinode_client.py cancel GRPC_URL PROMPT
+    multinode_client.py gauges METRICS_URL
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+from llm_client import GAUGE_LINE, LABEL, GrpcStream, generate_inputs
+
+MODEL = "llm"
+
+
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def generate(url: str, prompt: str, max_tokens: int, ignore_eos: bool, timeout_s: float) -> Any:
+    sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
+    with GrpcStream(url) as stream:
+        stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
+        try:
+            gen = stream.collect(timeout_s)
+        except Exception as exc:  # the test reads the error: any kind
+            return {"error": str(exc)}
+    return {"text": gen.text, "finish_reason": gen.finish_reason, "tokens": gen.num_output_tokens}
+
+
+def load(url: str, n: int, max_tokens: int, timeout_s: float, words: int) -> list[Any]:
+    results: list[Any] = [None] * n
+    padding = " lorem" * words
+
+    def one(i: int) -> None:
+        prompt = f"request {i} of the load{padding}"
+        results[i] = generate(url, prompt, max_tokens, True, timeout_s)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def cancel(url: str, prompt: str) -> Any:
+    """Start a long stream, read two tokens, cancel it."""
+    sampling = {"max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    stream = GrpcStream(url)
+    stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
+    got = [stream.next(30.0) for _ in range(2)]
+    stream.close(cancel=True)
+    return {"events": len(got), "errors": [str(e) for _, e in got if e is not None]}
+
+
+def gauges(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for name, labels, value in GAUGE_LINE.findall(text):
+        key = f"{name}|{dict(LABEL.findall(labels))['model']}"
+        values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
+def main(argv: list[str]) -> Any:
+    cmd, *args = argv
+    if cmd == "ready":
+        return ready(args[0])
+    if cmd == "generate":
+        ignore_eos = len(args) > 3 and args[3] == "1"
+        return generate(args[0], args[1], int(args[2]), ignore_eos, 60.0)
+    if cmd == "load":
+        words = int(args[4]) if len(args) > 4 else 0
+        return load(args[0], int(args[1]), int(args[2]), float(args[3]), words)
+    if cmd == "cancel":
+        return cancel(args[0], args[1])
+    if cmd == "gauges":
+        return gauges(args[0])
+    raise SystemExit(f"unknown command {cmd!r}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])))

@@ -1,0 +1,265 @@
+"""Prefill and decode as separate servers on separate "nodes": network namespaces of this
+machine joined by a bridge (``netns``), KV over NIXL with UCX's TCP transport only, prefill
+reached over Triton gRPC. Every server is a real ``splitserve serve --role ...`` process; every
+client call runs inside the decode node (``multinode_client.py``), the only place its ports
+are reachable from.
+
+The servers start once for the module; the tests run in file order and the last ones kill
+nodes: greedy text, cancellation, a cut link, a killed prefill node, a killed decode node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import netns
+import pytest
+from llm_client import MAX_MODEL_LEN, SERVE_ENGINE, ReferenceFactory
+
+pytestmark = pytest.mark.triton
+pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
+
+CLIENT = Path(__file__).with_name("multinode_client.py")
+SPLITSERVE = Path(sys.executable).with_name("splitserve")
+LEASE_TTL_S = 3.0
+TRANSFER_TIMEOUT_S = 3.0
+CALL_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 240.0
+PROMPTS = ("The quick brown fox", "def fibonacci(n: int) -> int:", "Splitserve across nodes")
+MAX_TOKENS = 24
+
+
+class Server:
+    """One ``splitserve serve`` in a node's namespace; its log beside the test's files."""
+
+    def __init__(self, node: netns.Node, log: Path, args: list[str]) -> None:
+        self.node = node
+        self.log = log
+        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONUNBUFFERED": "1"}
+        with log.open("wb") as out:
+            self.proc = node.popen(
+                [str(SPLITSERVE), "serve", *args], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def wait_ready(self, deadline: float) -> None:
+        while not client(self.node, "ready", "http://127.0.0.1:8000"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-4000:]
+                pytest.fail(f"{self.node.name} did not start:\n{tail}")
+            time.sleep(1.0)
+
+    def kill_node(self) -> None:
+        """kill -9 of every process of the node: the machine died."""
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.node.netns], capture_output=True, text=True
+        ).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill_node()
+
+
+def client(node: netns.Node, *args: Any, timeout_s: float = 180.0) -> Any:
+    done = node.run([sys.executable, str(CLIENT), *map(str, args)], check=False, timeout=timeout_s)
+    if done.returncode != 0:
+        raise AssertionError(f"client {args[0]} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def gauges(node: netns.Node) -> dict[str, float]:
+    return client(node, "gauges", "http://127.0.0.1:8002/metrics")
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[netns.Cluster]:
+    reason = netns.available()
+    if reason is not None:
+        pytest.skip(reason)
+    with netns.Cluster(("prefill0", "prefill1", "decode")) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def servers(
+    cluster: netns.Cluster, serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    tmp = tmp_path_factory.mktemp("multinode")
+    key = tmp / "handle.key"
+    key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)
+    common = [
+        "--model", str(serve_ckpt),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--param", f"num_kv_blocks={SERVE_ENGINE['num_kv_blocks']}",
+        "--key-file", str(key),
+        "--transport", "nixl",
+    ]  # fmt: skip
+    started: dict[str, Server] = {}
+    try:
+        for name in ("prefill0", "prefill1"):
+            node = cluster[name]
+            started[name] = Server(
+                node,
+                tmp / f"{name}.log",
+                [*common, "--role", "prefill", "--advertise-host", node.address,
+                 "--param", f"lease_ttl_s={LEASE_TTL_S}"],
+            )  # fmt: skip
+        decode = cluster["decode"]
+        urls = [f"--prefill-url={cluster[n].address}:8001" for n in ("prefill0", "prefill1")]
+        started["decode"] = Server(
+            decode,
+            tmp / "decode.log",
+            [*common, "--role", "decode", "--advertise-host", decode.address, *urls,
+             "--param", f"kv_transfer_timeout_s={TRANSFER_TIMEOUT_S}",
+             "--param", f"prefill_call_timeout_s={CALL_TIMEOUT_S}"],
+        )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in started.values():
+            server.wait_ready(deadline)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def is_idle(node: netns.Node, model: str) -> bool:
+    values = gauges(node)
+    leases = values.get(f"splitserve_leases_outstanding|{model}", 0.0)
+    return values[f"splitserve_kv_blocks_used|{model}"] == 0 and leases == 0
+
+
+def all_idle(cluster: netns.Cluster, alive: tuple[str, ...]) -> bool:
+    models = {"decode": "llm", "prefill0": "prefill", "prefill1": "prefill"}
+    return all(is_idle(cluster[name], models[name]) for name in alive)
+
+
+def test_greedy_text_across_nodes_equals_transformers(
+    cluster: netns.Cluster, servers: dict[str, Server], greedy_reference: ReferenceFactory
+) -> None:
+    decode = cluster["decode"]
+    for prompt in PROMPTS * 2:  # twice: both prefill nodes serve some
+        ref = greedy_reference(prompt, MAX_TOKENS, True)
+        got = client(decode, "generate", "127.0.0.1:8001", prompt, MAX_TOKENS, "1")
+        assert got.get("text") == ref.text, (prompt, got)
+    values = gauges(decode)
+    assert values["splitserve_kv_handoff_recomputes|llm"] == 0
+    for name in ("prefill0", "prefill1"):
+        wait_until(lambda n=name: is_idle(cluster[n], "prefill"), 30, f"{name} idle")
+
+
+def test_cancelled_stream_leaves_nothing_on_either_node(
+    cluster: netns.Cluster, servers: dict[str, Server]
+) -> None:
+    decode = cluster["decode"]
+    for i in range(3):
+        got = client(decode, "cancel", "127.0.0.1:8001", f"cancel me {i}")
+        assert got["events"] == 2 and not got["errors"], got
+    alive = ("decode", "prefill0", "prefill1")
+    wait_until(lambda: all_idle(cluster, alive), 30, "0 blocks and 0 leases on every node")
+
+
+def test_link_cut_mid_transfer_ends_requests_and_leaks_nothing(
+    cluster: netns.Cluster, servers: dict[str, Server]
+) -> None:
+    decode, prefill0 = cluster["decode"], cluster["prefill0"]
+    before = gauges(decode)["splitserve_kv_handoff_recomputes|llm"]
+    granted = gauges(prefill0)["splitserve_leases_granted_total|prefill"]
+    # ~3 MB of KV per request at 1.25 MB/s: the first transfer from prefill0 takes over 2 s,
+    # and the link goes down as soon as prefill0 has handed a request over.
+    netns.set_rate(prefill0, 0.01)
+    load = decode.popen(
+        [sys.executable, str(CLIENT), "load", "127.0.0.1:8001", "8", "8", "90", "1000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(
+        lambda: gauges(prefill0)["splitserve_leases_granted_total|prefill"] > granted,
+        60,
+        "a handoff from prefill0",
+    )
+    netns.link_down(prefill0)
+    started = time.monotonic()
+    out, _ = load.communicate(timeout=150)
+    ended_in = time.monotonic() - started
+    netns.link_up(prefill0)
+    netns.set_rate(prefill0, None)
+    results = json.loads(out)
+    # Each request ended: with text (prefilled by prefill1 after a failover, or recomputed by
+    # decode after its transfer was abandoned at kv_transfer_timeout_s) or with an error.
+    assert all(r is not None and ("text" in r or "error" in r) for r in results), results
+    assert ended_in < 90
+    abandoned = gauges(decode)["splitserve_kv_handoff_recomputes|llm"] - before
+    assert abandoned > 0, "no transfer was in flight when the link went down"
+    for i in range(4):  # the next requests succeed; their fetches return the held blocks
+        got = client(decode, "generate", "127.0.0.1:8001", f"after the cut {i}", 8)
+        assert "text" in got, got
+    alive = ("decode", "prefill0", "prefill1")
+    wait_until(lambda: all_idle(cluster, alive), LEASE_TTL_S + 60, "nothing leaked")
+
+
+def test_killed_prefill_node_under_load_fails_over(
+    cluster: netns.Cluster, servers: dict[str, Server]
+) -> None:
+    decode = cluster["decode"]
+    load = decode.popen(
+        [sys.executable, str(CLIENT), "load", "127.0.0.1:8001", "12", "16", "60"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    servers["prefill1"].kill_node()
+    out, _ = load.communicate(timeout=120)
+    results = json.loads(out)
+    assert all(r is not None and ("text" in r or "error" in r) for r in results), results
+    for i in range(6):  # new requests go to the survivor
+        got = client(decode, "generate", "127.0.0.1:8001", f"survivor {i}", 8)
+        assert "text" in got, got
+    assert gauges(decode)["splitserve_prefill_failovers_total|llm"] > 0
+    wait_until(lambda: all_idle(cluster, ("decode", "prefill0")), 60, "nothing leaked")
+
+
+def test_killed_decode_node_lets_prefill_leases_expire(
+    cluster: netns.Cluster, servers: dict[str, Server]
+) -> None:
+    decode, prefill0 = cluster["decode"], cluster["prefill0"]
+    granted = gauges(prefill0).get("splitserve_leases_granted_total|prefill", 0)
+    load = decode.popen(
+        [sys.executable, str(CLIENT), "load", "127.0.0.1:8001", "8", "64", "60"],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until(
+        lambda: (
+            gauges(prefill0).get("splitserve_leases_granted_total|prefill", 0) > granted
+            or load.poll() is not None
+        ),
+        60,
+        "handoffs under way",
+    )
+    servers["decode"].kill_node()
+    load.wait(30)
+    # Pulled leases last the reader's transfer timeout plus a margin (default 10 + 5 s).
+    wait_until(lambda: is_idle(prefill0, "prefill"), 45, "prefill leases expired")
