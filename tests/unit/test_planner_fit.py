@@ -13,6 +13,7 @@ from splitserve_tools.planner.fit import (
     fit_decode,
     fit_handoff,
     fit_prefill,
+    over_link,
 )
 
 
@@ -61,6 +62,16 @@ def test_handoff_fit() -> None:
     fit = fit_handoff([(1 << 16, 1e-4 + (1 << 16) / 1e10), (1 << 24, 1e-4 + (1 << 24) / 1e10)])
     assert fit.fixed_s == pytest.approx(1e-4, rel=1e-6)
     assert fit.bytes_per_s == pytest.approx(1e10, rel=1e-6)
+
+
+def test_handoff_over_a_link_is_bound_by_the_slower_side() -> None:
+    local = fit_handoff([(1 << 16, 1e-4 + (1 << 16) / 1e10), (1 << 24, 1e-4 + (1 << 24) / 1e10)])
+    gigabit = over_link(local, 1.0, 2e-4)
+    assert gigabit.bytes_per_s == pytest.approx(1.25e8)
+    assert gigabit(50e6) == pytest.approx(3e-4 + 0.4, rel=1e-3)  # 4k tokens of 100m, bf16
+    assert over_link(local, 400.0, 0.0).bytes_per_s == local.bytes_per_s
+    with pytest.raises(ValueError, match="positive rate"):
+        over_link(local, 0.0, 0.0)
 
 
 def test_too_few_samples_are_refused() -> None:

@@ -136,3 +136,24 @@ def test_plan_search_gpu_budgets(capsys: pytest.CaptureFixture[str], tmp_path: P
     cli_main(["plan", "search", *args])
     out = capsys.readouterr().out
     assert "1 GPUs [MODELLED profile]" in out and "2 GPUs [MODELLED profile]" in out
+
+
+def test_plan_search_prices_a_slow_link_between_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    synthetic_profile(units=(1, 2)).save(tmp_path / "p.json")
+    args = [
+        *("--profile", str(tmp_path / "p.json"), "--workload", "summarization"),
+        *("--ttft-slo", "2", "--tpot-slo", "0.05", "--cores", "2", "--num-requests", "40"),
+        "--no-progress",
+    ]
+
+    def best_disagg(extra: list[str], name: str) -> float:
+        cli_main(["plan", "search", *args, *extra, "--json", str(tmp_path / name)])
+        ranked = json.loads((tmp_path / name).read_text())["budgets"][0]["ranked"]
+        return max(r["goodput_rps"] for r in ranked if r["placement"]["mode"] == "disagg")
+
+    local = best_disagg([], "local.json")
+    slow = best_disagg(["--link-gbit", "0.01", "--link-latency-ms", "5"], "link.json")
+    assert "handoff over a 0.01 Gbit/s link" in capsys.readouterr().out
+    assert slow < local

@@ -87,6 +87,17 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
     from splitserve_tools.workload.slo import SLO
 
     profile = Profile.load(args.profile)
+    if args.link_gbit is not None:
+        from dataclasses import replace
+
+        from splitserve_tools.planner.fit import over_link
+
+        handoff = over_link(profile.handoff, args.link_gbit, args.link_latency_ms / 1e3)
+        profile = replace(profile, handoff=handoff)
+        print(
+            f"prefill and decode on different nodes: handoff over a {args.link_gbit:g} Gbit/s "
+            f"link, {args.link_latency_ms:g} ms latency"
+        )
     budgets = args.cores or args.gpus
     if (args.cores is not None) != (profile.device == "cpu"):
         raise SystemExit(
@@ -227,6 +238,15 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cv", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--kv-cache-bytes", type=int, help="KV pool per instance")
+    s.add_argument(
+        "--link-gbit",
+        type=float,
+        help="price the KV handoff across nodes over a link of this goodput (Gbit/s; "
+        "scripts/bench_link.py measures it)",
+    )
+    s.add_argument(
+        "--link-latency-ms", type=float, default=0.1, help="with --link-gbit (default 0.1)"
+    )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")
     s.add_argument("--render", type=Path, help="render its Triton model repository here")

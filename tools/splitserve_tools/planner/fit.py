@@ -128,6 +128,15 @@ class HandoffFit:
         return cls(float(d["fixed_s"]), float(d["bytes_per_s"]))
 
 
+def over_link(local: HandoffFit, gbit_s: float, latency_s: float) -> HandoffFit:
+    """The handoff of prefill and decode on different nodes: the local fit's costs, the link's
+    latency, and bytes at the slower of the local rate and the link's (``scripts/bench_link.py``
+    measured NIXL at 0.96-1.00 of TCP's goodput at 1 Gbit/s, where the link binds)."""
+    if gbit_s <= 0 or latency_s < 0:
+        raise ValueError("a link needs a positive rate and a latency >= 0")
+    return HandoffFit(local.fixed_s + latency_s, min(local.bytes_per_s, gbit_s * 1e9 / 8))
+
+
 def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
     """Needs samples at three or more (T, S) points, not all on one line (vary the prompt length,
     and the batch at one length, to separate the linear from the quadratic term)."""
