@@ -96,3 +96,12 @@ def test_remote_settings_belong_to_decode():
         decode=RoleSpec(settings={"prefill_urls": "a:1"}),
     )
     assert spec.models == ("llm",)
+
+
+def test_openai_port_needs_llm_on_this_server(key_file, capsys):
+    from splitserve_tools.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["serve", "--role", "prefill", "--key-file", str(key_file), "--openai-port", "9"])
+    assert exit_info.value.code == 2
+    assert "--openai-port needs a server with llm" in capsys.readouterr().err
