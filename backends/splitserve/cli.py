@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         check_paths(spec, args.repo_dir)
     except ValueError as exc:
         args.parser.exit(2, f"splitserve serve: error: {exc}\n")
-    if args.openai_port is not None and "llm" not in spec.models:
+    if args.openai_port is not None and spec.server_role == "prefill":
         args.parser.exit(2, "splitserve serve: error: --openai-port needs a server with llm\n")
     args.model = spec.model
     args.layout = spec.layout
