@@ -6,6 +6,7 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py load GRPC_URL N MAX_TOKENS TIMEOUT_S [PROMPT_WORDS]
     multinode_client.py cancel GRPC_URL PROMPT
     multinode_client.py gauges METRICS_URL
+    multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ def gauges(url: str) -> dict[str, float]:
     return values
 
 
+def openai_completion(base: str, prompt: str, max_tokens: int) -> Any:
+    """``/v1/models``, then a greedy ``/v1/completions`` of its first model."""
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
 def main(argv: list[str]) -> Any:
     cmd, *args = argv
     if cmd == "ready":
@@ -91,6 +106,8 @@ def main(argv: list[str]) -> Any:
         return cancel(args[0], args[1])
     if cmd == "gauges":
         return gauges(args[0])
+    if cmd == "openai":
+        return openai_completion(args[0], args[1], int(args[2]))
     raise SystemExit(f"unknown command {cmd!r}")
 
 

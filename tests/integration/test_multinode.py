@@ -134,6 +134,7 @@ def servers(
             decode,
             tmp / "decode.log",
             [*common, "--role", "decode", "--advertise-host", decode.address, *urls,
+             "--openai-port", "9000", "--host", "0.0.0.0",
              "--param", f"kv_transfer_timeout_s={TRANSFER_TIMEOUT_S}",
              "--param", f"prefill_call_timeout_s={CALL_TIMEOUT_S}"],
         )  # fmt: skip
@@ -167,6 +168,16 @@ def test_greedy_text_across_nodes_equals_transformers(
         assert got.get("text") == ref.text, (prompt, got)
     values = gauges(decode)
     assert values["splitserve_kv_handoff_recomputes|llm"] == 0
+    ref = greedy_reference(PROMPTS[0], MAX_TOKENS, True)
+    # The client tools a single server serves work unchanged against a decode server.
+    cli = decode.run(
+        [str(SPLITSERVE), "generate", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
+         "--ignore-eos", "--url", "127.0.0.1:8001"],
+        timeout=120,
+    )  # fmt: skip
+    assert ref.text in cli.stdout, cli.stdout
+    completion = client(decode, "openai", "http://127.0.0.1:9000", PROMPTS[0], 8)
+    assert completion["choices"][0]["text"], completion
     for name in ("prefill0", "prefill1"):
         wait_until(lambda n=name: is_idle(cluster[n], "prefill"), 30, f"{name} idle")
 

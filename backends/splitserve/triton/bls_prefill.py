@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,11 +19,12 @@ from splitserve.serving.prefill_client import (
 
 
 class BlsPrefillClient(PrefillClient):
-    """One BLS call per prompt. A cancelled call still runs to its end inside Triton (BLS
-    calls cannot be stopped); the caller releases a lease that arrives late."""
+    """One BLS call per prompt. BLS calls cannot be stopped: a cancelled one runs to its end
+    inside Triton, and the lease it returns then goes to ``release`` at once."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, release: Callable[[bytes], None]) -> None:
         self.model_name = model_name
+        self._release = release
         self._counts = dict.fromkeys(("calls", "failures"), 0)
 
     async def prefill(self, call: PrefillCall) -> PrefillReply:
@@ -34,12 +37,19 @@ class BlsPrefillClient(PrefillClient):
             ),
         ]
         self._counts["calls"] += 1
-        response = await pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            requested_output_names=[bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE],
-            inputs=inputs,
-            parameters={bls_contract.AUTH: call.auth},
-        ).async_exec()
+        running = asyncio.ensure_future(
+            pb_utils.InferenceRequest(
+                model_name=self.model_name,
+                requested_output_names=[bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE],
+                inputs=inputs,
+                parameters={bls_contract.AUTH: call.auth},
+            ).async_exec()
+        )
+        try:
+            response = await asyncio.shield(running)
+        except asyncio.CancelledError:
+            running.add_done_callback(self._release_orphan)
+            raise
         if response.has_error():
             self._counts["failures"] += 1
             message = response.error().message()
@@ -49,6 +59,14 @@ class BlsPrefillClient(PrefillClient):
             kv_handle=_output(response, bls_contract.KV_HANDLE).tobytes(),
             server="local",
         )
+
+    def _release_orphan(self, running: asyncio.Future[Any]) -> None:
+        """Done-callback of a call nobody waits for any more: free the lease it got."""
+        if running.cancelled() or running.exception() is not None:
+            return
+        response = running.result()
+        if not response.has_error():
+            self._release(_output(response, bls_contract.KV_HANDLE).tobytes())
 
     async def close(self) -> None:
         return None

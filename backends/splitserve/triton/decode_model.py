@@ -55,7 +55,7 @@ class DecodeModel(GenerateModelBase):
     def _prefill_client(self) -> PrefillClient:
         """BLS to the local ``prefill`` model, or gRPC to the prefill servers of the spec."""
         if not self.cfg.remote_prefill:
-            return BlsPrefillClient(self.cfg.prefill_model)
+            return BlsPrefillClient(self.cfg.prefill_model, self.transport.release)
         from splitserve.serving.remote_prefill import RemotePrefillClient
 
         return RemotePrefillClient.from_config(self.cfg)
@@ -136,7 +136,7 @@ class DecodeModel(GenerateModelBase):
     ) -> PrefillReply | None:
         """One prefill call, waited for until ``deadline`` while the client is still there.
         None if the client cancelled: the call is cancelled (a remote one stops; a BLS one runs
-        on), and a lease that arrives anyway is released rather than held until it expires."""
+        on and its client releases the lease it returns), so no lease waits to expire."""
         if deadline is not None and time.monotonic() >= deadline:
             raise PrefillError(TIMED_OUT, "unavailable")
         task = asyncio.ensure_future(self.prefill_client.prefill(call))
@@ -149,17 +149,10 @@ class DecodeModel(GenerateModelBase):
                 return task.result()
             timed_out = deadline is not None and time.monotonic() >= deadline
             if timed_out or request.is_cancelled():
-                task.add_done_callback(self._release_late)
                 task.cancel()
                 if timed_out:
                     raise PrefillError(TIMED_OUT, "unavailable")
                 return None
-
-    def _release_late(self, call: asyncio.Future[PrefillReply]) -> None:
-        """Done-callback of a call the request stopped waiting for: free the lease it got."""
-        if call.cancelled() or call.exception() is not None:
-            return
-        self.transport.release(call.result().kv_handle)
 
     def finalize(self) -> None:
         super().finalize()
