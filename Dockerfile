@@ -21,8 +21,11 @@ COPY tools tools
 # wheel carries the model-repository templates and the C++ CPU kernels' sources. Those kernels
 # are not built here: GPU layouts never call them, and they compile with -march=native, for the
 # CPU that serves (`python -m splitserve_kernels.build` on that machine builds them ahead).
-RUN pip install "torch==2.7.1" "cuda-python>=12.6,<13" && pip install ".[gpu,client,openai]"
+# NIXL for `--role prefill|decode` across nodes: the `nixl` meta package would also pull its
+# CUDA 13 build, hence --no-deps (its own needs, torch and numpy, are installed above).
+RUN pip install "torch==2.7.1" "cuda-python>=12.6,<13" && pip install ".[gpu,client,openai]" \
+    && pip install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 ENTRYPOINT ["splitserve", "serve"]
 CMD ["--device", "gpu", "--model", "tiny", "--layout", "disagg"]

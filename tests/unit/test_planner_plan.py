@@ -157,3 +157,19 @@ def test_plan_search_prices_a_slow_link_between_nodes(
     slow = best_disagg(["--link-gbit", "0.01", "--link-latency-ms", "5"], "link.json")
     assert "handoff over a 0.01 Gbit/s link" in capsys.readouterr().out
     assert slow < local
+
+
+def test_plan_search_k8s_writes_the_plans_replicas_and_cores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from splitserve_tools.plan_cli import write_k8s
+    from splitserve_tools.planner.placement import Placement, Role
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # deploy/k8s of this checkout
+    disagg = Placement("disagg", prefill=Role(3, 2), decode=Role(2, 4))
+    write_k8s(disagg, False, tmp_path / "overlay", None)
+    text = (tmp_path / "overlay" / "kustomization.yaml").read_text()
+    assert "splitserve-prefill" in text and "count: 3" in text and "count: 2" in text
+    assert "wrote the Kubernetes overlay" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="colocated"):
+        write_k8s(Placement("colocated", colocated=Role(1, 4)), False, tmp_path / "c", None)

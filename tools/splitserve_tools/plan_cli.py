@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from splitserve_tools.planner.plan_ceiling import add_ceiling_parser
 
@@ -126,7 +127,7 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
         print("\n".join(result_lines(profile, result, args.top)))
     if args.json:
         write_results(args.json, profile, results)
-    if args.out or args.render:
+    if args.out or args.render or args.k8s:
         info = {
             "workload": args.workload,
             "num_requests": args.num_requests,
@@ -145,6 +146,31 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
 
             render(plan.to_spec(), args.render)
             print(f"rendered the model repository into {args.render}")
+        if args.k8s:
+            write_k8s(plan.placement, profile.device == "gpu", args.k8s, args.k8s_base)
+
+
+def write_k8s(placement: Any, gpu: bool, out_dir: Path, base: Path | None) -> None:
+    """``--k8s``: a kustomize overlay with the replicas and per-pod cores of a disagg plan (one
+    prefill or decode instance per pod)."""
+    from splitserve_tools.k8s_overlay import overlay_dir, write_overlay
+
+    if placement.mode != "disagg":
+        raise SystemExit(
+            "--k8s: the Kubernetes deployment splits prefill and decode across pods; this plan "
+            "is colocated (serve it with `splitserve serve --plan`)"
+        )
+    base_dir = base or overlay_dir(Path.cwd(), gpu)
+    path = write_overlay(
+        out_dir,
+        base=str(base_dir),
+        prefill_replicas=placement.prefill.instances,
+        decode_replicas=placement.decode.instances,
+        prefill_cpu=None if gpu else str(placement.prefill.units),
+        decode_cpu=None if gpu else str(placement.decode.units),
+        gpu=gpu,
+    )
+    print(f"wrote the Kubernetes overlay {path} (kubectl apply -k {out_dir})")
 
 
 def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
@@ -250,6 +276,16 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")
     s.add_argument("--render", type=Path, help="render its Triton model repository here")
+    s.add_argument(
+        "--k8s",
+        type=Path,
+        help="write a kustomize overlay of deploy/k8s with the plan's replicas and cores here",
+    )
+    s.add_argument(
+        "--k8s-base",
+        type=Path,
+        help="the overlay it builds on (default: deploy/k8s/overlays/cpu or gpu of this directory)",
+    )
     s.add_argument("--json", type=Path, help="every placement tried, with its attainment curve")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_plan_search)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.engine_config import EngineConfig
-from splitserve.serving.affinity import parse_ranges
+from splitserve.serving.affinity import format_cores, parse_ranges
 from splitserve.serving.serving_config import ServingConfig, parse_core_sets
 from splitserve.typed_values import (
     check_value,
@@ -261,17 +261,18 @@ def server_cores(spec: DeploymentSpec) -> set[int] | None:
 def default_cpu_spec(
     layout: str, settings: Mapping[str, Any], cores: int | None = None, **fields: Any
 ) -> DeploymentSpec:
-    """Prefill on the first half of the cores, decode on the rest, colocated on all of them."""
-    n = cores or len(os.sched_getaffinity(0))
-    half = max(1, n // 2)
-    prefill = f"0-{half - 1}" if n > 1 else "0"
-    decode = f"{half}-{n - 1}" if n > 1 else "0"
+    """Prefill on the first half of the cores, decode on the rest, colocated on all of them:
+    cores ``0..cores-1``, or by default the cores this process may run on (a container pinned
+    to cores 8-11 gets 8-9 and 10-11, not 0-3)."""
+    usable = list(range(cores)) if cores else sorted(os.sched_getaffinity(0))
+    half = max(1, len(usable) // 2)
+    prefill, decode = (usable[:half], usable[half:]) if len(usable) > 1 else (usable, usable)
     return DeploymentSpec(
         layout=layout,
         settings=dict(settings),
-        prefill=RoleSpec(cpu_cores=prefill),
-        decode=RoleSpec(cpu_cores=decode),
-        colocated=RoleSpec(cpu_cores=f"0-{n - 1}"),
+        prefill=RoleSpec(cpu_cores=format_cores(prefill)),
+        decode=RoleSpec(cpu_cores=format_cores(decode)),
+        colocated=RoleSpec(cpu_cores=format_cores(usable)),
         **fields,
     )
 
