@@ -3,7 +3,7 @@ namespaces (tests/integration/netns.py), at link rates limited by tc.
 
 For each rate: iperf3's TCP goodput prefill0 -> decode (the ceiling), then the NIXL transport
 (UCX over TCP only) moving the KV of 128, 1k and 4k prompt tokens of the 100m checkpoint
-(bfloat16: 12 layers x 4 KV heads x 64 dims, 24 KiB per token) from an owner in prefill0
+(bfloat16: 12 layers x 4 KV heads x 64 dims, K and V: 12 KiB per token) from an owner in prefill0
 into a reader in decode, ``--repeats`` times each. Prints, per rate and length, the median
 handoff time (what the transfer adds after the prompt pass: decode streams the first token at
 once and starts the next step once the blocks are in) and the handoff rate as a fraction of the
