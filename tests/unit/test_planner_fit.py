@@ -13,6 +13,7 @@ from splitserve_tools.planner.fit import (
     fit_decode,
     fit_handoff,
     fit_prefill,
+    link_fit,
     over_link,
 )
 
@@ -79,3 +80,15 @@ def test_too_few_samples_are_refused() -> None:
         fit_prefill([PrefillSample(1, 16, 0.01)])
     with pytest.raises(ValueError):
         fit_decode([DecodeSample(1, 16, 0.01), DecodeSample(1, 32, 0.01)])
+
+
+def test_link_fit_reads_bench_link_rows_of_one_rate() -> None:
+    rows = [
+        {"rate_gbit": 1.0, "tokens": t, "bytes": t * 12288, "seconds": 1e-3 + t * 12288 / 1.2e8}
+        for t in (128, 1024, 4096)
+    ] + [{"rate_gbit": None, "tokens": 128, "bytes": 1 << 20, "seconds": 1e-3}]
+    fit = link_fit(rows, 1.0)
+    assert fit.fixed_s == pytest.approx(1e-3, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(1.2e8, rel=1e-6)
+    with pytest.raises(ValueError, match="no link rows at rate 10"):
+        link_fit(rows, 10.0)

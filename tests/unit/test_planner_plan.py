@@ -157,6 +157,14 @@ def test_plan_search_prices_a_slow_link_between_nodes(
     slow = best_disagg(["--link-gbit", "0.01", "--link-latency-ms", "5"], "link.json")
     assert "handoff over a 0.01 Gbit/s link" in capsys.readouterr().out
     assert slow < local
+    rows = [
+        {"rate_gbit": 0.01, "tokens": t, "bytes": t * 4096, "seconds": 5e-3 + t * 4096 / 1.25e6}
+        for t in (128, 1024)
+    ]
+    (tmp_path / "measured.json").write_text(json.dumps(rows))
+    measured = ["--link-json", str(tmp_path / "measured.json"), "--link-rate", "0.01"]
+    assert best_disagg(measured, "measured_link.json") == pytest.approx(slow, rel=0.05)
+    assert "handoff measured over the link" in capsys.readouterr().out
 
 
 def test_plan_search_k8s_writes_the_plans_replicas_and_cores(

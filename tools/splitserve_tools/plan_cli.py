@@ -4,6 +4,7 @@ flags."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,19 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
     from splitserve_tools.workload.slo import SLO
 
     profile = Profile.load(args.profile)
-    if args.link_gbit is not None:
+    if args.link_json is not None:
+        from dataclasses import replace
+
+        from splitserve_tools.planner.fit import link_fit
+
+        handoff = link_fit(json.loads(args.link_json.read_text()), args.link_rate)
+        profile = replace(profile, handoff=handoff)
+        print(
+            f"prefill and decode on different nodes: handoff measured over the link "
+            f"({args.link_json}): {handoff.fixed_s * 1e3:.2f} ms + "
+            f"{handoff.bytes_per_s * 8 / 1e9:.2f} Gbit/s"
+        )
+    elif args.link_gbit is not None:
         from dataclasses import replace
 
         from splitserve_tools.planner.fit import over_link
@@ -272,6 +285,18 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--link-latency-ms", type=float, default=0.1, help="with --link-gbit (default 0.1)"
+    )
+    s.add_argument(
+        "--link-json",
+        type=Path,
+        help="price the handoff across nodes by what scripts/bench_link.py --json measured "
+        "(a fit of its handoff times at --link-rate)",
+    )
+    s.add_argument(
+        "--link-rate",
+        type=float,
+        help="with --link-json: the tc rate (Gbit/s) of the rows to fit (default: the unlimited "
+        "link's rows)",
     )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")

@@ -137,6 +137,16 @@ def over_link(local: HandoffFit, gbit_s: float, latency_s: float) -> HandoffFit:
     return HandoffFit(local.fixed_s + latency_s, min(local.bytes_per_s, gbit_s * 1e9 / 8))
 
 
+def link_fit(rows: Sequence[dict[str, Any]], rate_gbit: float | None) -> HandoffFit:
+    """The handoff across nodes fitted to ``scripts/bench_link.py --json`` rows of one tc rate
+    (None: the unlimited link): their ``bytes`` and median ``seconds``."""
+    points = [(int(r["bytes"]), float(r["seconds"])) for r in rows if r["rate_gbit"] == rate_gbit]
+    if not points:
+        rates = sorted({str(r["rate_gbit"]) for r in rows})
+        raise ValueError(f"no link rows at rate {rate_gbit}; the file has {rates}")
+    return fit_handoff(points)
+
+
 def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit:
     """Needs samples at three or more (T, S) points, not all on one line (vary the prompt length,
     and the batch at one length, to separate the linear from the quadratic term)."""
