@@ -7,6 +7,7 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py cancel GRPC_URL PROMPT
     multinode_client.py gauges METRICS_URL
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
+    multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: [ttft, second] s)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -92,6 +94,24 @@ def openai_completion(base: str, prompt: str, max_tokens: int) -> Any:
         return json.loads(response.read())
 
 
+def timing(url: str, prompts: list[str]) -> list[list[float]]:
+    """Per prompt, sent one at a time: seconds to the first and to the second token."""
+    sampling = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    out = []
+    with GrpcStream(url) as stream:
+        for prompt in prompts:
+            sent = time.perf_counter()
+            stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
+            stamps = []
+            for _ in range(2):
+                _, error = stream.next(120.0)
+                if error is not None:
+                    raise error
+                stamps.append(time.perf_counter() - sent)
+            out.append(stamps)
+    return out
+
+
 def main(argv: list[str]) -> Any:
     cmd, *args = argv
     if cmd == "ready":
@@ -106,6 +126,9 @@ def main(argv: list[str]) -> Any:
         return cancel(args[0], args[1])
     if cmd == "gauges":
         return gauges(args[0])
+    if cmd == "timing":
+        with open(args[1]) as f:
+            return timing(args[0], json.load(f))
     if cmd == "openai":
         return openai_completion(args[0], args[1], int(args[2]))
     raise SystemExit(f"unknown command {cmd!r}")

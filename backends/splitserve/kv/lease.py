@@ -84,6 +84,7 @@ class LeaseTable:
         self._leases: dict[bytes, Lease] = {}
         self._deadlines: dict[bytes, float] = {}
         self._leased_blocks: set[int] = set()
+        self._being_read: set[bytes] = set()
         self._counts = dict.fromkeys(("granted", "pulled", "released", "expired", "unknown"), 0)
 
     def grant(
@@ -114,8 +115,13 @@ class LeaseTable:
                 return False
             deadline = max(self._deadlines[lease_id], self._clock() + self._pull_ttl_s)
             self._deadlines[lease_id] = deadline
+            self._being_read.add(lease_id)
             self._counts["pulled"] += 1
             return True
+
+    def being_read(self) -> int:
+        """Leases a reader started copying and has not released yet."""
+        return len(self._being_read)
 
     def release(self, lease_id: bytes) -> bool:
         """Free the lease's blocks; False, freeing nothing, for an unknown or replayed id."""
@@ -154,6 +160,7 @@ class LeaseTable:
 
     def _pop(self, lease_id: bytes) -> Lease | None:
         lease = self._leases.pop(lease_id, None)
+        self._being_read.discard(lease_id)
         if lease is not None:
             del self._deadlines[lease_id]
             self._leased_blocks.difference_update(lease.block_ids)

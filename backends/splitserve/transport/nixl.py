@@ -18,7 +18,9 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,34 @@ def _mem_of(pool: KVPool) -> tuple[str, int]:
     return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
+class _Progress:
+    """Owner side: drives the agent's UCX worker, which answers the readers' READs. Busy (a
+    pause of ``BUSY_S``) while a lease is being read, else every ``IDLE_S``."""
+
+    BUSY_S = 20e-6
+    IDLE_S = 2e-3
+
+    def __init__(self, agent: Any, being_read: Callable[[], int]) -> None:
+        self._agent = agent
+        self._being_read = being_read
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitserve-nixl-progress")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._agent.get_new_notifs()
+            except Exception:  # a peer's failure surfaces here too; the reader handles it
+                log.debug("NIXL progress reported an error", exc_info=True)
+            time.sleep(self.BUSY_S if self._being_read() else self.IDLE_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @dataclass
 class _Abandoned:
     xfer: Any
@@ -89,6 +119,7 @@ class NixlTransport(LeasedTransport):
         self._registered: Any = None
         self._own: tuple[bytes, KVPool] | None = None
         self._metadata: MetadataServer | None = None
+        self._progress: _Progress | None = None
         self._peers: dict[bytes, PeerPool] = {}
         self._abandoned: list[_Abandoned] = []
         self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
@@ -103,7 +134,10 @@ class NixlTransport(LeasedTransport):
         for key, value in UCX_DEFAULTS.items():
             os.environ.setdefault(key, value)  # UCX reads its settings when the agent starts
         name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # No NIXL progress thread: it polls without pause, a whole core per agent even when idle.
+        # A reader progresses its own READs while it waits for them; an owner, whose progress
+        # answers them (UCX emulates RMA over TCP), runs ``_Progress``.
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
     def create_pool(
         self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
@@ -137,6 +171,8 @@ class NixlTransport(LeasedTransport):
                 metadata=self._agent.get_agent_metadata(),
             )
             self._metadata = MetadataServer(self._ctx, self._key, self._host, self._own[0], own)
+            assert self._leases is not None  # set by register for an exported pool
+            self._progress = _Progress(self._agent, self._leases.being_read)
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:
         return self._own[0] if self._own is not None and self._own[1] is pool else None
@@ -262,6 +298,8 @@ class NixlTransport(LeasedTransport):
     def _close_memory(self) -> None:
         if self._metadata is not None:
             self._metadata.close()
+        if self._progress is not None:
+            self._progress.close()
         if self._agent is None:
             return
         for item in self._abandoned:
