@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import netns
 from bench_common import CACHE, exact_prompts, tokenizer_for
-from link_ceiling import parse_rates  # also puts tests/integration (netns) on sys.path
+from link_ceiling import netns, parse_rates  # link_ceiling finds tests/integration/netns.py
 
 from splitserve.testing.checkpoints import PRESETS, write_random_checkpoint
 
