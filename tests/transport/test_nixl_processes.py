@@ -88,15 +88,22 @@ def test_read_across_processes_then_lease_released(owner):
         wait_for(lambda: owner("stats")["free"] == BLOCKS)
 
 
+def stall_a_read(owner: Owner, rd: NixlTransport, pool: KVPool) -> tuple[bytes, list[int]]:
+    """Connect (a one-block warm-up stays used), export 256 blocks, SIGSTOP the owner: the
+    READ of the returned handle into the returned blocks cannot finish."""
+    warm = owner("export", 1, 1)
+    rd.fetch(warm, pool.allocator.allocate(1))
+    rd.release(warm)
+    handle = owner("export", 256, 256 * 16)
+    dst = pool.allocator.allocate(256)
+    os.kill(owner.pid, signal.SIGSTOP)
+    return handle, dst
+
+
 def test_stalled_owner_misses_the_deadline_and_blocks_stay_held(owner):
     rd, pool = reader(timeout_s=0.5)
     with rd:
-        warm = owner("export", 1, 1)
-        rd.fetch(warm, pool.allocator.allocate(1))
-        rd.release(warm)
-        handle = owner("export", 256, 256 * 16)
-        dst = pool.allocator.allocate(256)
-        os.kill(owner.pid, signal.SIGSTOP)
+        handle, dst = stall_a_read(owner, rd, pool)
         started = time.monotonic()
         with pytest.raises(BlocksStillWritten) as caught:
             rd.fetch(handle, dst)
@@ -127,12 +134,7 @@ def test_killed_owner_handles_fail_cleanly(owner):
 def test_owner_killed_during_an_abandoned_read_returns_its_blocks(owner):
     rd, pool = reader(timeout_s=0.5)
     with rd:
-        warm = owner("export", 1, 1)
-        rd.fetch(warm, pool.allocator.allocate(1))
-        rd.release(warm)
-        handle = owner("export", 256, 256 * 16)
-        dst = pool.allocator.allocate(256)
-        os.kill(owner.pid, signal.SIGSTOP)
+        handle, dst = stall_a_read(owner, rd, pool)
         with pytest.raises(BlocksStillWritten):
             rd.fetch(handle, dst)
         os.kill(owner.pid, signal.SIGKILL)
