@@ -76,8 +76,10 @@ class LeaseTable:
         *,
         pull_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.time,
+        on_pulled: Callable[[], None] | None = None,
     ) -> None:
         self._free_blocks = free_blocks
+        self._on_pulled = on_pulled
         self._pull_ttl_s = pull_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -117,7 +119,9 @@ class LeaseTable:
             self._deadlines[lease_id] = deadline
             self._being_read.add(lease_id)
             self._counts["pulled"] += 1
-            return True
+        if self._on_pulled is not None:
+            self._on_pulled()
+        return True
 
     def being_read(self) -> int:
         """Leases a reader started copying and has not released yet."""

@@ -63,7 +63,8 @@ def _mem_of(pool: KVPool) -> tuple[str, int]:
 
 class _Progress:
     """Owner side: drives the agent's UCX worker, which answers the readers' READs. Busy (a
-    pause of ``BUSY_S``) while a lease is being read, else every ``IDLE_S``."""
+    pause of ``BUSY_S``) while a lease is being read, else every ``IDLE_S`` or at once when
+    woken (a reader's PULL notice: its READ follows)."""
 
     BUSY_S = 20e-6
     IDLE_S = 2e-3
@@ -72,6 +73,7 @@ class _Progress:
         self._agent = agent
         self._being_read = being_read
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitserve-nixl-progress")
         self._thread.daemon = True
         self._thread.start()
@@ -82,10 +84,17 @@ class _Progress:
                 self._agent.get_new_notifs()
             except Exception:  # a peer's failure surfaces here too; the reader handles it
                 log.debug("NIXL progress reported an error", exc_info=True)
-            time.sleep(self.BUSY_S if self._being_read() else self.IDLE_S)
+            if self._being_read():
+                time.sleep(self.BUSY_S)
+            elif self._wake.wait(self.IDLE_S):
+                self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join()
 
 
@@ -173,6 +182,10 @@ class NixlTransport(LeasedTransport):
             self._metadata = MetadataServer(self._ctx, self._key, self._host, self._own[0], own)
             assert self._leases is not None  # set by register for an exported pool
             self._progress = _Progress(self._agent, self._leases.being_read)
+
+    def _pulled(self) -> None:
+        if self._progress is not None:
+            self._progress.wake()
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:
         return self._own[0] if self._own is not None and self._own[1] is pool else None
