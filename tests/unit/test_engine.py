@@ -1,5 +1,7 @@
 """Engine behaviour on the built-in tiny model: batching, handoff, stopping, accounting."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,6 +142,25 @@ def test_handoff_sources_are_discarded_when_never_loaded(parts):
     decode.add_prefilled("b", PROMPTS[1], GREEDY, first[1], 0, src_b)
     assert decode.abort("b") and src_b.discarded and not src_b.loaded
     assert prefill.allocator.num_used == 0 and decode.scheduler.allocator.num_used == 0
+
+
+class LostSource:
+    def load(self, dst: list[int]) -> None:
+        raise RuntimeError("lease expired")
+
+    def discard(self) -> None:
+        raise AssertionError("a failed load is not a discard")
+
+
+def test_failed_handoff_under_the_fail_policy_ends_with_an_error(parts):
+    cfg = EngineConfig(model="tiny", num_kv_blocks=64)
+    limits = dataclasses.replace(scheduler_limits(cfg), on_handoff_failure="fail")
+    decode = Engine(parts.model, parts.new_pool(), parts.tokenizer, limits, parts.max_model_len)
+    decode.add_prefilled("a", PROMPTS[1], GREEDY, 5, 0, LostSource())
+    (out,) = decode.step()
+    assert out.finished and out.finish_reason == "error" and out.new_token_ids == []
+    assert out.error is not None and "lease expired" in out.error
+    assert not decode.has_unfinished() and decode.scheduler.allocator.num_used == 0
 
 
 def test_seeded_sampling_is_independent_of_batch(parts):

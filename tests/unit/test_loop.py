@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 from contextlib import contextmanager
 from typing import Any
@@ -34,12 +35,11 @@ class ListSink:
         return [t for o in self.outputs for t in o.new_token_ids]
 
 
-def make_loop(**kwargs: Any) -> EngineLoop:
+def make_loop(on_handoff_failure: str = "recompute", **kwargs: Any) -> EngineLoop:
     cfg = EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128)
     parts = build_components(cfg)
-    engine = Engine(
-        parts.model, parts.new_pool(), parts.tokenizer, scheduler_limits(cfg), parts.max_model_len
-    )
+    limits = dataclasses.replace(scheduler_limits(cfg), on_handoff_failure=on_handoff_failure)
+    engine = Engine(parts.model, parts.new_pool(), parts.tokenizer, limits, parts.max_model_len)
     return EngineLoop(engine, cancel_poll_s=0.0, **kwargs)
 
 
@@ -107,3 +107,24 @@ def test_engine_loop_runs_every_step_inside_around_step():
     assert sink.done.wait(10)
     loop.stop()
     assert len(entered) == loop.num_steps > 0 and set(entered) == {1}
+
+
+class LostSource:
+    def load(self, dst: list[int]) -> None:
+        raise RuntimeError("transfer abandoned")
+
+    def discard(self) -> None:
+        raise AssertionError("a failed load is not a discard")
+
+
+def test_lost_handoff_ends_with_unavailable_under_the_fail_policy():
+    loop = make_loop("fail")
+    loop.start()
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sink = ListSink()
+    loop.add_prefilled("a", [256, 7, 8, 9], p, 5, 0, LostSource(), sink)
+    assert sink.done.wait(10)
+    loop.stop()
+    assert sink.error is not None and sink.error.startswith("unavailable: ")
+    assert "transfer abandoned" in sink.error and sink.tokens == [5]
+    assert loop.num_active == 0 and loop.engine.scheduler.allocator.num_used == 0

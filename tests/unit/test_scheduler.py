@@ -1,3 +1,5 @@
+import pytest
+
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerLimits
@@ -8,9 +10,15 @@ def _req(rid: str, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=8))
 
 
-def _sched(blocks: int, budget: int = 64, chunked: bool = False) -> Scheduler:
+def _sched(
+    blocks: int, budget: int = 64, chunked: bool = False, on_failure: str = "recompute"
+) -> Scheduler:
     limits = SchedulerLimits(
-        block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, chunked_prefill=chunked
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        chunked_prefill=chunked,
+        on_handoff_failure=on_failure,
     )
     return Scheduler(BlockAllocator(blocks), limits)
 
@@ -150,3 +158,27 @@ def test_failed_handoff_falls_back_to_recompute():
     plan = s.schedule()
     assert plan.decodes == []
     assert plan.prefills == [(a, 9)] and a.num_computed == 0
+
+
+def test_failed_handoff_ends_the_request_under_the_fail_policy():
+    s = _sched(8, on_failure="fail")
+    a, b = _req("a", 8), _req("b", 8)
+    a.num_computed, a.output_ids = 8, [9]
+    b.num_computed, b.output_ids = 8, [9]
+    stalled = StalledSource()
+    s.add_prefilled(a, BrokenSource())
+    s.add_prefilled(b, stalled)
+    plan = s.schedule()
+    assert plan.empty and not s.waiting and not s.running and not s.arrived
+    assert [(r, why.startswith("the prompt's KV could not be pulled")) for r, why in s.failed] == [
+        (a, True),
+        (b, True),
+    ]
+    assert a.finished and a.finish_reason == "error" and a.block_ids == [] and b.block_ids == []
+    assert s.allocator.num_used == len(stalled.held)  # held by the transport until settled
+    assert s.num_handoff_failures == 2
+
+
+def test_unknown_handoff_failure_policy_is_refused():
+    with pytest.raises(ValueError, match="on_handoff_failure"):
+        SchedulerLimits(4, 8, 64, on_handoff_failure="retry")

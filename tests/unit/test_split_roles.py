@@ -49,6 +49,17 @@ def test_decode_server_calls_remote_prefill(key_file):
     assert dns.serving_config("llm", Path("/")).prefill_dns == "pf:8001"
 
 
+def test_decode_server_fails_lost_handoffs_unless_told_to_recompute(key_file):
+    flags = ("--role", "decode", "--key-file", str(key_file), "--prefill-url", "h:8001")
+    cfg = spec_of(*flags).serving_config("llm", Path("/"))
+    assert cfg.kv_load_failure_policy == "fail"
+    told = spec_of(*flags, "--param", "kv_load_failure_policy=recompute")
+    assert told.serving_config("llm", Path("/")).kv_load_failure_policy == "recompute"
+    assert spec_of().serving_config("llm", Path("/")).kv_load_failure_policy == "recompute"
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        spec_of("--param", "kv_load_failure_policy=retry")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

@@ -203,6 +203,10 @@ class DeploymentSpec:
         merged = {**self.settings, **spec.settings}
         if role in ("prefill", "decode") and self.server_role != "both":
             merged.setdefault("transport", SPLIT_TRANSPORT)
+        if role == "decode" and self.server_role == "decode":
+            # A decode server's cores are sized for decode: a prompt pass there would stall
+            # every running stream, so a lost handoff ends its request (UNAVAILABLE).
+            merged.setdefault("kv_load_failure_policy", "fail")
         if self.device == "gpu":
             merged["device"] = "cuda"
             if role in ("prefill", "decode"):

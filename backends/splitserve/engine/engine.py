@@ -97,7 +97,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
+        outputs = [self._failed(req, why) for req, why in self.scheduler.failed]
+        self.scheduler.failed.clear()
         if plan.decodes:
             logits = self.runner.decode(plan.decodes)
             outputs += self._postprocess(plan.decodes, logits)
@@ -108,6 +109,12 @@ class Engine:
                 reqs = [plan.prefills[i][0] for i in done]
                 outputs += self._postprocess(reqs, logits[done])
         return outputs
+
+    def _failed(self, req: Request, why: str) -> RequestOutput:
+        del self.states[req.request_id]
+        return RequestOutput(
+            req.request_id, [], "", True, "error", len(req.prompt_ids), len(req.output_ids), why
+        )
 
     def _postprocess(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[RequestOutput]:
         states = [self.states[r.request_id] for r in reqs]

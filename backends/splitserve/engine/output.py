@@ -20,6 +20,8 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    error: str | None = None
+    """Set when the request ended with an error rather than an output (``finished`` too)."""
 
 
 class OutputState:

@@ -5,7 +5,9 @@ when ``chunked_prefill`` is on) within a token budget. Requests whose KV was com
 wait in ``arrived`` until blocks are free, then their KV is loaded and they join the batch.
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are freed and it is recomputed later from its tokens. A handed-over request whose KV
-cannot be loaded (its lease expired, its owner is gone) is recomputed the same way.
+cannot be loaded (its lease expired, its owner is gone, the transfer missed its deadline) is
+recomputed the same way, or ends with an error (``on_handoff_failure="fail"``: a decode server
+whose cores are sized for decode, where a prompt pass would stall every running stream).
 """
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = False
+    on_handoff_failure: str = "recompute"
+    """``recompute`` the prompt of a handed-over request whose KV cannot be loaded, or
+    ``fail`` it (it then appears in ``Scheduler.failed``)."""
+
+    def __post_init__(self) -> None:
+        if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
+            raise ValueError(
+                f"on_handoff_failure must be one of {HANDOFF_FAILURE_POLICIES}, "
+                f"got {self.on_handoff_failure!r}"
+            )
+
+
+HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class Scheduler:
@@ -59,6 +74,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_handoff_failures = 0
+        self.failed: list[tuple[Request, str]] = []
+        """Handed-over requests ended by a failed load (policy ``fail``) and why; taken by the
+        engine after each ``schedule``."""
 
     @property
     def num_unfinished(self) -> int:
@@ -137,15 +155,24 @@ class Scheduler:
                 source.load(req.block_ids[: -(-req.num_computed // self.limits.block_size)])
             except Exception as exc:
                 self.num_handoff_failures += 1
+                fail = self.limits.on_handoff_failure == "fail"
                 log.warning(
-                    "KV handoff of %s failed; recomputing its prompt", req.request_id, exc_info=True
+                    "KV handoff of %s failed; %s",
+                    req.request_id,
+                    "ending it" if fail else "recomputing its prompt",
+                    exc_info=True,
                 )
                 if isinstance(exc, BlocksStillWritten):
                     held = set(exc.block_ids)
                     req.block_ids = [b for b in req.block_ids if b not in held]
                 self.free(req)
-                req.num_computed = 0
-                self.waiting.appendleft(req)
+                if fail:
+                    req.status = Status.FINISHED
+                    req.finish_reason = "error"
+                    self.failed.append((req, f"the prompt's KV could not be pulled: {exc}"))
+                else:
+                    req.num_computed = 0
+                    self.waiting.appendleft(req)
                 continue
             req.status = Status.RUNNING
             self.running.append(req)

@@ -234,7 +234,10 @@ class EngineLoop:
                 continue
             if out.finished:
                 self._untrack(out.request_id)
-            sink.send(out)
+            if out.error is not None:
+                sink.fail(out.error, "unavailable")
+            else:
+                sink.send(out)
 
     def _fail_all(self, message: str, kind: str) -> None:
         for rid, sink in list(self._sinks.items()):

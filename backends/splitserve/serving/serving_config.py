@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from splitserve.engine.scheduler import HANDOFF_FAILURE_POLICIES
 from splitserve.engine_config import EngineConfig
 from splitserve.serving.affinity import allowed_cores, parse_cores
 from splitserve.typed_values import build
@@ -64,7 +65,11 @@ class ServingConfig:
     host name resolves to."""
     kv_transfer_timeout_s: float = 10.0
     """How long decode waits for one request's KV to arrive over the network (``nixl``)
-    before it abandons the transfer and recomputes the prompt itself."""
+    before it abandons the transfer (then ``kv_load_failure_policy`` applies)."""
+    kv_load_failure_policy: str = "recompute"
+    """Decode, when a handed-over request's KV cannot be pulled (lease expired, owner gone,
+    transfer past its deadline): ``recompute`` its prompt here, or ``fail`` it with
+    UNAVAILABLE (the default of ``--role decode``, whose cores are sized for decode)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,6 +88,11 @@ class ServingConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_load_failure_policy not in HANDOFF_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {HANDOFF_FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0 (0: no bound)")
         if self.request_timeout_s is not None and not 0 < self.request_timeout_s < float("inf"):

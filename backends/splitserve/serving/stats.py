@@ -21,8 +21,9 @@ GAUGES = {
     "requests_active": "Requests this instance's engine is generating for",
     "requests_running": "Requests in this instance's running batch",
     "queue_depth": "Requests accepted and not yet running (waiting for prefill, blocks, a slot)",
-    "kv_handoff_recomputes": "Handed-over requests whose KV could not be pulled and was "
-    "recomputed here (non-zero means the transport is failing)",
+    "kv_handoff_failures": "Handed-over requests whose KV could not be pulled: recomputed here "
+    "or ended with UNAVAILABLE, per kv_load_failure_policy (non-zero means the transport is "
+    "failing)",
     "engine_borrow_off_sizes": "Batch sizes (1-8, then power-of-two buckets) at which decode "
     "does not borrow prefill's idle cores, because its borrowed steps there were not faster "
     "than its own-core steps",
@@ -35,7 +36,7 @@ COUNTERS = {
     "kv_handoff_bytes_total": "Bytes of KV pulled by this instance",
     "kv_handoff_seconds_total": "Seconds spent pulling KV",
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
-    "(the request's prompt is recomputed here)",
+    "(then kv_load_failure_policy applies)",
     "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
     "prefill_failovers_total": "Remote prefill calls retried on another prefill server after "
     "the first one failed",

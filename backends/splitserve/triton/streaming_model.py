@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -79,7 +80,10 @@ class GenerateModelBase:
             self.parts.model,
             self.make_pool(),
             self.parts.tokenizer,
-            scheduler_limits(self.cfg.engine),
+            dataclasses.replace(
+                scheduler_limits(self.cfg.engine),
+                on_handoff_failure=self.cfg.kv_load_failure_policy,
+            ),
             self.parts.max_model_len,
         )
 
@@ -105,7 +109,7 @@ class GenerateModelBase:
             "kv_blocks_free": allocator.num_free,
             "requests_active": self.loop.num_active,
             "requests_running": len(scheduler.running),
-            "kv_handoff_recomputes": scheduler.num_handoff_failures,
+            "kv_handoff_failures": scheduler.num_handoff_failures,
             **record_transport(self.stats, self.transport_counts()),
         }
         if self.borrower is not None:
