@@ -4,10 +4,11 @@ namespaces (tests/integration/netns.py), at link rates limited by tc.
 For each rate: iperf3's TCP goodput prefill0 -> decode (the ceiling), then the NIXL transport
 (UCX over TCP only) moving the KV of 128, 1k and 4k prompt tokens of the 100m checkpoint
 (bfloat16: 12 layers x 4 KV heads x 64 dims, K and V: 12 KiB per token) from an owner in prefill0
-into a reader in decode, ``--repeats`` times each. Prints, per rate and length, the median
-handoff time (what the transfer adds after the prompt pass: decode streams the first token at
-once and starts the next step once the blocks are in) and the handoff rate as a fraction of the
-ceiling. Needs root and iperf3 (``apt-get install -y iperf3``).
+into a reader in decode, ``--repeats`` times each: ``splitserve plan link serve`` and
+``splitserve plan link measure``, what a user runs between two real hosts. Prints, per rate and
+length, the median handoff time (what the transfer adds after the prompt pass: decode streams
+the first token at once and starts the next step once the blocks are in) and the handoff rate as
+a fraction of the ceiling. Needs root and iperf3 (``apt-get install -y iperf3``).
 
 Run: python scripts/bench_link.py [--rates unlimited,10,1] [--repeats 5] [--json out/link.json]
 """
@@ -17,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,54 +31,40 @@ import netns
 
 from splitserve.transport.key import generate_key, key_environ
 
-PEER = Path(__file__).with_name("kv_link_peer.py")
-LENGTHS = (128, 1024, 4096)
-BLOCKS = 1024  # 16k tokens: room for every length at once
+SPLITSERVE = Path(sys.executable).with_name("splitserve")
+PORT = 5701
 
 
-def _peer(node: netns.Node, role: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    proc = node.popen(
-        [sys.executable, str(PEER), role, node.address, str(BLOCKS)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # NIXL logs its start-up on stdout
-        if line.strip() == "ready":
-            return proc
-    raise RuntimeError(f"{role} did not start")
-
-
-def _ask(proc: subprocess.Popen[str], line: str) -> str:
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(line + "\n")
-    proc.stdin.flush()
-    return proc.stdout.readline().strip()
-
-
-def handoffs(cluster: netns.Cluster, repeats: int) -> dict[int, dict[str, float]]:
+def handoffs(cluster: netns.Cluster, repeats: int) -> list[dict[str, Any]]:
+    """``splitserve plan link serve`` in prefill0, ``... measure`` in decode: one row per
+    length (128, 1k, 4k tokens), the median of ``repeats`` handoffs."""
     env = {**os.environ, "UCX_TLS": "tcp", **key_environ(generate_key())}
-    owner = _peer(cluster["prefill0"], "owner", env)
-    reader = _peer(cluster["decode"], "reader", env)
+    owner_node, reader_node = cluster["prefill0"], cluster["decode"]
+    owner = owner_node.popen(
+        [str(SPLITSERVE), "plan", "link", "serve", "--host", owner_node.address,
+         "--port", str(PORT)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
     try:
-        _ask(reader, _ask(owner, "16"))  # connect and fetch metadata outside the timings
-        result = {}
-        for tokens in LENGTHS:
-            times, size = [], 0
-            for _ in range(repeats):
-                seconds, nbytes = _ask(reader, _ask(owner, str(tokens))).split()
-                times.append(float(seconds))
-                size = int(nbytes)
-            median = statistics.median(times)
-            result[tokens] = {"seconds": median, "bytes": size, "gbit_s": size * 8 / median / 1e9}
-        return result
+        assert owner.stdout is not None
+        for line in owner.stdout:  # NIXL logs its start-up on stdout too
+            if line.startswith("link owner at "):
+                break
+        else:
+            raise RuntimeError("the link owner did not start")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "link.json"
+            reader_node.run(
+                [str(SPLITSERVE), "plan", "link", "measure",
+                 f"tcp://{owner_node.address}:{PORT}", "--repeats", str(repeats),
+                 "--host", reader_node.address, "--out", str(out)],
+                env=env, timeout=600,
+            )  # fmt: skip
+            rows: list[dict[str, Any]] = json.loads(out.read_text())
+            return rows
     finally:
-        for proc in (owner, reader):
-            proc.kill()
-            proc.wait()
+        owner.kill()
+        owner.wait()
 
 
 def main() -> None:
@@ -104,8 +91,9 @@ def main() -> None:
             for node in cluster:
                 netns.set_rate(node, rate)
             ceiling = iperf3_ceiling(cluster["decode"], cluster["prefill0"], args.seconds)
-            for tokens, h in handoffs(cluster, args.repeats).items():
-                rows.append({"rate_gbit": rate, "tcp_gbit_s": ceiling, "tokens": tokens, **h})
+            for h in handoffs(cluster, args.repeats):
+                tokens = h["tokens"]
+                rows.append({**h, "rate_gbit": rate, "tcp_gbit_s": ceiling})
                 print(
                     f"link {'unlimited' if rate is None else f'{rate:g} Gbit/s':>10}  "
                     f"TCP {ceiling:6.2f} Gbit/s  {tokens:5d} tokens  "

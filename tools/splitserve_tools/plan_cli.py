@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve_tools.planner.plan_ceiling import add_ceiling_parser
+from splitserve_tools.planner.plan_link import add_link_parser
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -281,7 +282,7 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         "--link-gbit",
         type=float,
         help="price the KV handoff across nodes over a link of this goodput (Gbit/s; "
-        "scripts/bench_link.py measures it)",
+        "`splitserve plan link` measures the real handoff: --link-json)",
     )
     s.add_argument(
         "--link-latency-ms", type=float, default=0.1, help="with --link-gbit (default 0.1)"
@@ -289,8 +290,8 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--link-json",
         type=Path,
-        help="price the handoff across nodes by what scripts/bench_link.py --json measured "
-        "(a fit of its handoff times at --link-rate)",
+        help="price the handoff across nodes by what `splitserve plan link measure --out` (or "
+        "scripts/bench_link.py --json) measured: a fit of its handoff times at --link-rate",
     )
     s.add_argument(
         "--link-rate",
@@ -316,3 +317,4 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_plan_search)
 
     add_ceiling_parser(psub)
+    add_link_parser(psub)
