@@ -159,7 +159,11 @@ def all_idle(cluster: netns.Cluster, alive: tuple[str, ...]) -> bool:
 
 
 def test_greedy_text_across_nodes_equals_transformers(
-    cluster: netns.Cluster, servers: dict[str, Server], greedy_reference: ReferenceFactory
+    cluster: netns.Cluster,
+    servers: dict[str, Server],
+    greedy_reference: ReferenceFactory,
+    serve_ckpt: Path,
+    tmp_path: Path,
 ) -> None:
     decode = cluster["decode"]
     for prompt in PROMPTS * 2:  # twice: both prefill nodes serve some
@@ -169,7 +173,8 @@ def test_greedy_text_across_nodes_equals_transformers(
     values = gauges(decode)
     assert values["splitserve_kv_handoff_failures|llm"] == 0
     ref = greedy_reference(PROMPTS[0], MAX_TOKENS, True)
-    # The client tools a single server serves work unchanged against a decode server.
+    # The client tools of a single server (generate, the OpenAI frontend, bench) work unchanged
+    # against a decode server.
     cli = decode.run(
         [str(SPLITSERVE), "generate", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
          "--ignore-eos", "--url", "127.0.0.1:8001"],
@@ -178,6 +183,16 @@ def test_greedy_text_across_nodes_equals_transformers(
     assert ref.text in cli.stdout, cli.stdout
     completion = client(decode, "openai", "http://127.0.0.1:9000", PROMPTS[0], 8)
     assert completion["choices"][0]["text"], completion
+    report = tmp_path / "bench.json"
+    decode.run(
+        [str(SPLITSERVE), "bench", "--url", "127.0.0.1:8001", "--workload", "fixed",
+         "--input-len", "24", "--output-len", "8", "--tokenizer", str(serve_ckpt),
+         "--max-model-len", str(MAX_MODEL_LEN), "--rate", "8", "--num-requests", "8",
+         "--json", str(report), "--no-progress"],
+        timeout=120,
+    )  # fmt: skip
+    (summary,) = json.loads(report.read_text())["summary"]
+    assert (summary["num_requests"], summary["errors"]) == (8, 0), summary
     for name in ("prefill0", "prefill1"):
         wait_until(lambda n=name: is_idle(cluster[n], "prefill"), 30, f"{name} idle")
 
