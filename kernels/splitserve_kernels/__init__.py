@@ -9,6 +9,8 @@ from splitserve_kernels.cpu import status as cpu_status
 from splitserve_kernels.dispatch import (
     add_rms_norm,
     apply_rotary,
+    fp8_decode_blocks,
+    fp8_encode_blocks,
     greedy_tokens,
     paged_decode_attention,
     prepare,
@@ -24,6 +26,8 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "cpu_status",
+    "fp8_decode_blocks",
+    "fp8_encode_blocks",
     "gather_kv",
     "greedy_tokens",
     "paged_decode_attention",

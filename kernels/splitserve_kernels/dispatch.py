@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import activation, attention, norm, rope, sampling
+from splitserve_kernels.reference import activation, attention, fp8, norm, rope, sampling
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -102,3 +102,33 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest logit, the first where several tie (long ``[batch]``)."""
     return (cpu if cpu.usable(logits) else sampling).greedy_tokens(logits)
+
+
+def _fp8(pool: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> ModuleType:
+    if uses_kernel(pool):
+        return _gpu("fp8")
+    contiguous = pool.is_contiguous() and q.is_contiguous() and scales.is_contiguous()
+    return cpu if cpu.usable(pool) and contiguous else fp8
+
+
+def fp8_encode_blocks(
+    pool: torch.Tensor,
+    src_ids: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """Blocks ``src_ids`` of a KV pool as e4m3 bytes and per-head scales into blocks ``dst_ids``
+    of ``q``/``scales`` (see ``reference.fp8``)."""
+    _fp8(pool, q, scales).encode_blocks(pool, src_ids, q, scales, dst_ids)
+
+
+def fp8_decode_blocks(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    src_ids: torch.Tensor,
+    pool: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """The inverse: blocks ``src_ids`` of ``q``/``scales`` into blocks ``dst_ids`` of a pool."""
+    _fp8(pool, q, scales).decode_blocks(q, scales, src_ids, pool, dst_ids)

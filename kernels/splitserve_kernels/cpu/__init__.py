@@ -1,4 +1,5 @@
-"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU, greedy token choice),
+"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU, greedy token choice,
+FP8 transfer encoding of KV blocks),
 compiled on first use with the local compiler (g++ and ninja; the sources ship in the wheel).
 
 The build (a minute or more on a small machine; README) is cached under
@@ -37,6 +38,7 @@ _SOURCES = [
         "rotary.cpp",
         "activation.cpp",
         "argmax.cpp",
+        "fp8.cpp",
     )
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h"]
@@ -221,3 +223,25 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``reference.sampling.greedy_tokens`` for CPU tensors, read in their own dtype."""
     return _ext().greedy_tokens(logits)
+
+
+def encode_blocks(
+    pool: torch.Tensor,
+    src_ids: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """``reference.fp8.encode_blocks`` for CPU tensors."""
+    _ext().fp8_encode_blocks(pool, src_ids, q, scales, dst_ids)
+
+
+def decode_blocks(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    src_ids: torch.Tensor,
+    pool: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    """``reference.fp8.decode_blocks`` for CPU tensors."""
+    _ext().fp8_decode_blocks(q, scales, src_ids, pool, dst_ids)

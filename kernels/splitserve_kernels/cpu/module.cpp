@@ -14,6 +14,10 @@ torch::Tensor rotary_write_kv(
     int64_t layer, torch::Tensor slot_blocks, torch::Tensor slot_offsets);
 torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up);
 torch::Tensor greedy_tokens(torch::Tensor logits);
+void fp8_encode_blocks(torch::Tensor pool, torch::Tensor src_ids, torch::Tensor q,
+                       torch::Tensor scales, torch::Tensor dst_ids);
+void fp8_decode_blocks(torch::Tensor q, torch::Tensor scales, torch::Tensor src_ids,
+                       torch::Tensor pool, torch::Tensor dst_ids);
 
 // The kernels keep the GIL while they compute. Letting go of it (a gil_scoped_release call guard
 // on each) made served decode steps slower: every kernel call became one more point where the
@@ -26,4 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv);
   m.def("silu_mul_", &silu_mul_);
   m.def("greedy_tokens", &greedy_tokens);
+  m.def("fp8_encode_blocks", &fp8_encode_blocks);
+  m.def("fp8_decode_blocks", &fp8_decode_blocks);
 }
