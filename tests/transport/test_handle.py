@@ -34,15 +34,16 @@ def resign(body: bytes, key: bytes = KEY) -> bytes:
 
 def test_round_trip_and_layout():
     data = encode()
-    assert data[:4] == b"SSKV" and struct.unpack_from("<H", data, 4) == (2,)
-    assert len(data) == 76 + len(HANDLE.owner) + 3 + 4 * 4 + 32
+    assert data[:4] == b"SSKV" and struct.unpack_from("<H", data, 4) == (3,)
+    assert len(data) == 77 + len(HANDLE.owner) + 3 + 4 * 4 + 32
     assert decode_handle(data, KEY, now=NOW) == HANDLE
 
 
 def test_peer_round_trips():
-    with_peer = replace(HANDLE, transport="nixl", peer="tcp://10.0.0.2:41000")
+    with_peer = replace(HANDLE, transport="nixl", peer="tcp://10.0.0.2:41000", encoding="fp8")
     data = encode_handle(with_peer, KEY)
-    assert len(data) == 76 + len(HANDLE.owner) + 4 + len(with_peer.peer) + 4 * 4 + 32
+    assert len(data) == 77 + len(HANDLE.owner) + 4 + len(with_peer.peer) + 4 * 4 + 32
+    assert data[76] == 1  # fp8
     assert decode_handle(data, KEY, now=NOW) == with_peer
 
 
@@ -101,6 +102,7 @@ def _with_header_field(offset: int, fmt: str, value: int) -> bytes:
         (10, "<I", 0, "malformed"),  # zero layers
         (26, "<I", 33, "30|33 tokens"),  # more tokens than 4 blocks of 8 hold
         (26, "<I", 0, "malformed"),
+        (76, "<B", 2, "malformed"),  # unknown encoding
     ],
 )
 def test_malformed_fields_with_a_valid_mac(offset, fmt, value, match):
@@ -124,6 +126,8 @@ def test_encode_rejects_what_the_format_cannot_hold():
         encode(replace(HANDLE, lease_id=b"short"))
     with pytest.raises(ValueError):
         encode(key=b"short")
+    with pytest.raises(ValueError, match="encoding"):
+        encode(replace(HANDLE, encoding="int4"))
 
 
 handles = st.builds(
@@ -143,6 +147,7 @@ handles = st.builds(
     block_ids=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20, unique=True).map(tuple),
     num_tokens=st.just(1),
     expiry=st.floats(NOW + 1, NOW + 1e6),
+    encoding=st.sampled_from(["raw", "fp8"]),
 )
 
 

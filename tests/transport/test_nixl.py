@@ -183,3 +183,50 @@ def test_options_are_checked():
         t.create_pool(LAYOUT, 2)
         with pytest.raises(RuntimeError, match="already"):
             t.create_pool(LAYOUT, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_transfer_moves_encoded_blocks_and_decodes_them(reader, dtype):
+    from splitserve_kernels.reference import fp8
+
+    layout = replace(LAYOUT, dtype=dtype, head_dim=16)
+    with NixlTransport(KEY, transfer_dtype="fp8", **LOOPBACK) as own:
+        src = own.create_pool(layout, 12)
+        own.register(src)
+        src.tensor.copy_(torch.randn(src.tensor.shape) * 3)
+        with NixlTransport(KEY, **LOOPBACK) as rd:
+            dst = KVPool(layout, 10)
+            rd.register(dst)
+            src.allocator.allocate(8)
+            handle = own.export("req", [1, 2, 6, 7], num_tokens=14)
+            assert decode_handle(handle, KEY).encoding == "fp8"
+            rd.fetch(handle, [3, 4, 0, 9])
+            rd.release(handle)
+            # What arrives is the reference's encoding of the source, decoded.
+            q = torch.zeros(layout.pool_shape(4), dtype=torch.uint8)
+            scales = torch.zeros((layout.num_layers, 4, 2, layout.num_kv_heads))
+            want = torch.zeros(layout.pool_shape(4), dtype=layout.torch_dtype)
+            four = torch.arange(4)
+            fp8.encode_blocks(src.tensor, torch.tensor([1, 2, 6, 7]), q, scales, four)
+            fp8.decode_blocks(q, scales, four, want, four)
+            assert torch.equal(dst.tensor[:, [3, 4, 0, 9]], want)
+            per_layer = layout.block_numel // layout.num_layers + 2 * layout.num_kv_heads * 4
+            stats = rd.stats()
+            assert stats["fetched_bytes"] == stats["fetched_fp8_bytes"] == 4 * 3 * per_layer
+            # e4m3 is one byte an element, plus a float32 scale per 4 x 16 values and K/V.
+            itemsize = layout.torch_dtype.itemsize
+            assert stats["fetched_bytes"] / (4 * layout.block_bytes) == pytest.approx(
+                (1 + 4 / 64) / itemsize
+            )
+            wait_for(lambda: own.stats()["released"] == 1)
+
+
+def test_fp8_handle_from_an_owner_without_fp8_blocks_is_refused(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    h = decode_handle(own.export("req", src.allocator.allocate(2), 8), KEY)
+    _rejected(rd, dst, encode_handle(replace(h, encoding="fp8"), KEY), [0, 1], "no fp8 blocks")
+
+
+def test_unknown_transfer_dtype_is_refused():
+    with pytest.raises(ValueError, match="transfer_dtype"):
+        NixlTransport(KEY, transfer_dtype="int4", **LOOPBACK)

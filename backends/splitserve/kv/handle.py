@@ -2,11 +2,11 @@
 
 A handle names blocks of one owner's pool and is useless outside the server start that made it:
 it ends in an HMAC-SHA256 over every byte before it, keyed with a secret shared only by the
-processes of that start. Version 2 layout, little-endian::
+processes of that start. Version 3 layout, little-endian::
 
     offset  size  field
     0       4     magic b"SSKV"
-    4       2     version (u16) = 2
+    4       2     version (u16) = 3
     6       1     dtype code (u8): 1 float32, 2 float16, 3 bfloat16
     7       1     transport name length T (u8)
     8       2     owner address length A (u16)
@@ -20,9 +20,10 @@ processes of that start. Version 2 layout, little-endian::
     42      16    pool id
     58      16    lease id
     74      2     peer length P (u16)
-    76      A     owner address (UTF-8): where releases go
-    76+A    T     transport name (ASCII)
-    76+A+T  P     peer (UTF-8): what else a reader needs to reach the owner (the metadata
+    76      1     encoding (u8): 0 the pool's dtype, 1 fp8 (e4m3 with per-head block scales)
+    77      A     owner address (UTF-8): where releases go
+    77+A    T     transport name (ASCII)
+    77+A+T  P     peer (UTF-8): what else a reader needs to reach the owner (the metadata
                   endpoint of a networked transport; empty for shm and CUDA IPC)
     ...     4N    block ids (u32 each)
     ...     32    HMAC-SHA256(key, all bytes above)
@@ -43,12 +44,15 @@ from typing import NamedTuple
 from splitserve.kv.layout import KVLayout
 
 MAGIC = b"SSKV"
-VERSION = 2
+VERSION = 3
 MAC_SIZE = 32
 ID_SIZE = 16
 MIN_KEY_SIZE = 16
 
-_HEADER = struct.Struct("<4sHBBHIIIIIIQ16s16sH")
+_HEADER = struct.Struct("<4sHBBHIIIIIIQ16s16sHB")
+ENCODINGS = ("raw", "fp8")
+"""How the blocks travel: ``raw`` in the pool's dtype, ``fp8`` as e4m3 bytes and per-head block
+scales (``splitserve_kernels.reference.fp8``) that the reader decodes into its pool."""
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 
@@ -71,6 +75,8 @@ class KVHandle:
     expiry: float
     peer: str = ""
     """Transport-specific way to reach the owner beyond ``owner`` (NIXL: its metadata endpoint)."""
+    encoding: str = "raw"
+    """One of ``ENCODINGS``."""
 
 
 def _check_key(key: bytes) -> None:
@@ -94,6 +100,8 @@ def encode_handle(handle: KVHandle, key: bytes) -> bytes:
         raise ValueError("owner address, transport name or peer too long for a handle")
     if len(handle.pool_id) != ID_SIZE or len(handle.lease_id) != ID_SIZE:
         raise ValueError(f"pool id and lease id must be {ID_SIZE} bytes")
+    if handle.encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {ENCODINGS}, got {handle.encoding!r}")
     try:
         header = _HEADER.pack(
             MAGIC,
@@ -111,6 +119,7 @@ def encode_handle(handle: KVHandle, key: bytes) -> bytes:
             handle.pool_id,
             handle.lease_id,
             len(peer),
+            ENCODINGS.index(handle.encoding),
         )
         ids = struct.pack(f"<{len(handle.block_ids)}I", *handle.block_ids)
     except struct.error as exc:
@@ -184,6 +193,7 @@ class _Header(NamedTuple):
     pool_id: bytes
     lease_id: bytes
     peer_len: int
+    encoding: int
 
 
 def _parse(h: _Header, body: bytes) -> KVHandle:
@@ -198,7 +208,8 @@ def _parse(h: _Header, body: bytes) -> KVHandle:
         layout = KVLayout(
             h.num_layers, h.num_kv_heads, h.head_dim, h.block_size, _DTYPE_NAMES[h.dtype_code]
         )
-    except (UnicodeDecodeError, KeyError, ValueError) as exc:
+        encoding = ENCODINGS[h.encoding]
+    except (UnicodeDecodeError, KeyError, ValueError, IndexError) as exc:
         raise InvalidHandle(f"malformed KV handle: {exc!r}") from None
     if h.num_blocks == 0 or not 0 < h.num_tokens <= h.num_blocks * h.block_size:
         raise InvalidHandle(
@@ -217,4 +228,5 @@ def _parse(h: _Header, body: bytes) -> KVHandle:
         num_tokens=h.num_tokens,
         expiry=h.expiry_ns / 1e9,
         peer=peer,
+        encoding=encoding,
     )

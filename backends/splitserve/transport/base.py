@@ -65,7 +65,8 @@ class KVTransport(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters for metrics: leases outstanding, granted, released, expired, rejected
-        messages; on the reading side ``fetches``, ``fetched_bytes`` and ``fetch_ns``."""
+        messages; on the reading side ``fetches``, ``fetched_bytes`` (as moved: encoded where
+        the handle says so), ``fetched_fp8_bytes`` (of those, fp8-encoded) and ``fetch_ns``."""
 
     @abstractmethod
     def close(self) -> None:

@@ -79,7 +79,9 @@ class LeasedTransport(KVTransport):
         self._released: OrderedDict[bytes, float] = OrderedDict()
         self._released_lock = threading.Lock()
         self._closed = False
-        self._fetch_counts = dict.fromkeys(("fetches", "fetched_bytes", "fetch_ns"), 0)
+        self._fetch_counts = dict.fromkeys(
+            ("fetches", "fetched_bytes", "fetched_fp8_bytes", "fetch_ns"), 0
+        )
         cleanup.close_at_exit(self)
 
     @abstractmethod
@@ -87,8 +89,9 @@ class LeasedTransport(KVTransport):
         """The pool id peers open ``pool`` by, or None if ``pool`` is not in openable memory."""
 
     @abstractmethod
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
-        """Copy the checked handle's blocks into ``dst_block_ids`` of the registered pool;
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
+        """Copy the checked handle's blocks into ``dst_block_ids`` of the registered pool and
+        return the bytes moved (the encoded size where the handle's ``encoding`` is not raw);
         raises InvalidHandle (nothing read) if the owner's pool cannot be reached or does not
         match the handle. Called after the PULL notice went to the owner."""
 
@@ -104,6 +107,10 @@ class LeasedTransport(KVTransport):
     def _peer_field(self) -> str:
         """The handle's ``peer`` field: what else a reader needs to reach this owner."""
         return ""
+
+    def _encode(self, block_ids: list[int]) -> str:
+        """Prepare leased blocks for readers; the handle's ``encoding`` (``raw``: as they are)."""
+        return "raw"
 
     def _pulled(self) -> None:
         """A reader announced it is copying one of this owner's leases (the listener's thread)."""
@@ -146,6 +153,7 @@ class LeasedTransport(KVTransport):
             raise ValueError(f"block ids out of range [0, {pool.num_blocks}): {block_ids}")
         if not 0 < num_tokens <= len(block_ids) * pool.layout.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks")
+        encoding = self._encode(block_ids)
         lease = self._leases.grant(block_ids, num_tokens, self._lease_ttl_s, req_id)
         handle = KVHandle(
             owner=self._listener.address,
@@ -157,6 +165,7 @@ class LeasedTransport(KVTransport):
             num_tokens=num_tokens,
             expiry=lease.expiry,
             peer=self._peer_field(),
+            encoding=encoding,
         )
         return encode_handle(handle, self._key)
 
@@ -175,9 +184,11 @@ class LeasedTransport(KVTransport):
         if any(not 0 <= b < pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination ids out of range [0, {pool.num_blocks})")
         started = time.perf_counter_ns()
-        self._copy_in(h, dst_block_ids)
+        moved = self._copy_in(h, dst_block_ids)
         self._fetch_counts["fetch_ns"] += time.perf_counter_ns() - started
-        self._fetch_counts["fetched_bytes"] += len(dst_block_ids) * pool.layout.block_bytes
+        self._fetch_counts["fetched_bytes"] += moved
+        if h.encoding != "raw":
+            self._fetch_counts[f"fetched_{h.encoding}_bytes"] += moved
         self._fetch_counts["fetches"] += 1
 
     def release(self, handle: bytes) -> None:
@@ -235,10 +246,11 @@ class MappedTransport(LeasedTransport):
         """The owner's pool tensor, opened once per pool id and cached; raises InvalidHandle
         if it cannot be opened or does not match the handle's layout."""
 
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
         assert self._pool is not None  # fetch checked it
         src = self._open(handle)
         if max(handle.block_ids) >= src.shape[1]:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[1]}")
         self._notify(handle, PULL)
         copy_blocks(src, handle.block_ids, self._pool.tensor, dst_block_ids)
+        return len(dst_block_ids) * self._pool.layout.block_bytes

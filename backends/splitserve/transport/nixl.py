@@ -6,6 +6,12 @@ signed metadata endpoint (``nixl_metadata``), named in every handle's ``peer``. 
 each owner for its metadata once, checks the MAC, adds the agent, and then READs a handle's
 blocks straight into blocks of its own pool: one descriptor per layer and contiguous run.
 
+With ``transfer_dtype="fp8"`` the owner encodes a lease's blocks as e4m3 with per-head scales
+(``splitserve_kernels.fp8_encode_blocks``) into a registered copy of its pool (the wire pool)
+when it exports them, and the handle says ``fp8``; a reader then READs those bytes into a wire
+pool of its own (made at its first fp8 handle) and decodes them into its blocks. About half the
+bytes of bfloat16 cross the link.
+
 A READ that has not finished by ``transfer_timeout_s`` is abandoned. NIXL cannot cancel a
 posted READ (releasing its handle leaves the bytes landing), so its destination blocks are held
 here, not returned to the caller (``BlocksStillWritten``), until the transfer settles; the owner's
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+import splitserve_kernels as kernels
 from splitserve.kv.allocator import BlocksStillWritten
 from splitserve.kv.handle import InvalidHandle, KVHandle
 from splitserve.kv.layout import KVLayout
@@ -48,6 +55,8 @@ UCX_DEFAULTS = {
 """UCX settings this transport starts its agent with unless the environment sets them: UCX's
 8 KiB TCP segments held a 10 Gbit/s link to half its TCP rate (BENCHMARKS.md, "KV over the
 link")."""
+TRANSFER_DTYPES = ("auto", "fp8")
+"""``auto``: blocks travel in the pool's dtype; ``fp8``: as e4m3 with per-head block scales."""
 
 
 def default_advertise_host() -> str:
@@ -98,6 +107,56 @@ class _Progress:
         self._thread.join()
 
 
+class _Wire:
+    """fp8 copies of a pool's blocks (e4m3 bytes, float32 scales per layer, block, K/V and
+    head), at the same block ids, registered with the agent."""
+
+    def __init__(self, agent: Any, pool: KVPool) -> None:
+        layout = pool.layout
+        shape = layout.pool_shape(pool.num_blocks)
+        self.q = torch.zeros(shape, dtype=torch.uint8, device=pool.device)
+        self.scales = torch.zeros((*shape[:3], layout.num_kv_heads), device=pool.device)
+        mem, device_id = _mem_of(pool)
+        regions = [
+            (t.data_ptr(), t.numel() * t.element_size(), device_id, "") for t in self.tensors
+        ]
+        self._agent = agent
+        self._registered = agent.register_memory(regions, mem)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q, self.scales
+
+    @staticmethod
+    def layer_block_bytes(layout: KVLayout) -> tuple[int, int]:
+        """Bytes of one layer of one block: e4m3 values, scales."""
+        return layout.block_numel // layout.num_layers, 2 * layout.num_kv_heads * 4
+
+    def close(self) -> None:
+        self._agent.deregister_memory(self._registered)
+
+
+def descriptor_table(
+    base: int,
+    layers: int,
+    blocks: int,
+    runs: np.ndarray,
+    size: int,
+    device_id: int,
+) -> np.ndarray:
+    """NIXL descriptors ``(address, bytes, device)`` of one region laid out like a pool
+    (``[layers, blocks, ...]``, ``size`` bytes per layer and block): one per layer and run;
+    ``runs`` is ``[n, 2]`` of (first block id on this side, length)."""
+    layer = np.arange(layers, dtype=np.uint64)[:, None]
+    starts, lengths = runs[:, 0].astype(np.uint64), runs[:, 1].astype(np.uint64)
+    addr = np.uint64(base) + (layer * np.uint64(blocks) + starts[None, :]) * np.uint64(size)
+    table = np.empty((addr.size, 3), dtype=np.uint64)
+    table[:, 0] = addr.reshape(-1)
+    table[:, 1] = np.broadcast_to(lengths * np.uint64(size), addr.shape).reshape(-1)
+    table[:, 2] = device_id
+    return table
+
+
 @dataclass
 class _Abandoned:
     xfer: Any
@@ -116,14 +175,21 @@ class NixlTransport(LeasedTransport):
         advertise_host: str | None = None,
         transfer_timeout_s: float = 10.0,
         metadata_timeout_s: float = 5.0,
+        transfer_dtype: str = "auto",
         **options: Any,
     ) -> None:
         if transfer_timeout_s <= 0 or metadata_timeout_s <= 0:
             raise ValueError("transfer and metadata timeouts must be positive")
+        if transfer_dtype not in TRANSFER_DTYPES:
+            raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}: {transfer_dtype!r}")
         super().__init__(key, **options)
         self._host = advertise_host or default_advertise_host()
         self._transfer_timeout_s = transfer_timeout_s
         self._metadata_timeout_s = metadata_timeout_s
+        self._transfer_dtype = transfer_dtype
+        self._wire: _Wire | None = None
+        """The own pool's fp8 copies: an owner's with ``transfer_dtype="fp8"``, a reader's from
+        its first fp8 handle on."""
         self._agent: Any = None
         self._registered: Any = None
         self._own: tuple[bytes, KVPool] | None = None
@@ -170,6 +236,9 @@ class NixlTransport(LeasedTransport):
         )
         super().register(pool)
         if self._own is not None and self._own[1] is pool:
+            if self._transfer_dtype == "fp8":
+                self._wire = _Wire(self._agent, pool)
+            wire = self._wire.tensors if self._wire is not None else None
             own = PeerPool(
                 agent_name=self._agent.name,
                 base=pool.tensor.data_ptr(),
@@ -178,6 +247,8 @@ class NixlTransport(LeasedTransport):
                 mem=mem,
                 num_blocks=pool.num_blocks,
                 metadata=self._agent.get_agent_metadata(),
+                wire_base=wire[0].data_ptr() if wire else 0,
+                scales_base=wire[1].data_ptr() if wire else 0,
             )
             self._metadata = MetadataServer(self._ctx, self._key, self._host, self._own[0], own)
             assert self._leases is not None  # set by register for an exported pool
@@ -186,6 +257,13 @@ class NixlTransport(LeasedTransport):
     def _pulled(self) -> None:
         if self._progress is not None:
             self._progress.wake()
+
+    def _encode(self, block_ids: list[int]) -> str:
+        if self._wire is None or self._own is None:
+            return "raw"
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        kernels.fp8_encode_blocks(self._own[1].tensor, ids, self._wire.q, self._wire.scales, ids)
+        return "fp8"
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:
         return self._own[0] if self._own is not None and self._own[1] is pool else None
@@ -212,42 +290,56 @@ class NixlTransport(LeasedTransport):
             self._peers[h.pool_id] = peer
         return peer
 
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> None:
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
         assert self._pool is not None  # fetch checked it
         self.reap()
+        layout = self._pool.layout
         if self._own is not None and handle.pool_id == self._own[0]:
             self._notify(handle, PULL)
             copy_blocks(self._own[1].tensor, handle.block_ids, self._pool.tensor, dst_block_ids)
-            return
+            return len(dst_block_ids) * layout.block_bytes
         peer = self._peer(handle)
         if max(handle.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {peer.num_blocks}")
+        runs = np.array(contiguous_runs(handle.block_ids, dst_block_ids), dtype=np.uint64)
+        runs = runs.reshape(-1, 3)
+        mem, device_id = _mem_of(self._pool)
+        if handle.encoding == "fp8":
+            if not peer.wire_base or not peer.scales_base:
+                raise InvalidHandle("KV handle says fp8 but its owner has no fp8 blocks")
+            wire = self._reader_wire()
+            sizes = _Wire.layer_block_bytes(layout)
+            regions = [
+                (wire.q.data_ptr(), peer.wire_base, sizes[0]),
+                (wire.scales.data_ptr(), peer.scales_base, sizes[1]),
+            ]
+        else:
+            regions = [
+                (self._pool.tensor.data_ptr(), peer.base, layout.block_bytes // layout.num_layers)
+            ]
+        layers, own_blocks = layout.num_layers, self._pool.num_blocks
+        local = np.concatenate(
+            [descriptor_table(base, layers, own_blocks, runs[:, 1:], size, device_id)
+             for base, _, size in regions]
+        )  # fmt: skip
+        remote = np.concatenate(
+            [descriptor_table(base, layers, peer.num_blocks, runs[:, [0, 2]], size, peer.device_id)
+             for _, base, size in regions]
+        )  # fmt: skip
         self._notify(handle, PULL)
-        self._read(peer, handle, dst_block_ids)
+        self._read(peer, local, remote, mem, dst_block_ids)
+        if handle.encoding == "fp8":
+            assert self._wire is not None
+            ids = torch.tensor(dst_block_ids, dtype=torch.long)
+            kernels.fp8_decode_blocks(self._wire.q, self._wire.scales, ids, self._pool.tensor, ids)
+        return int(local[:, 1].sum())
 
-    def _descriptors(self, peer: PeerPool, src: tuple[int, ...], dst: list[int]) -> Any:
-        """Local and remote descriptor lists: one entry per layer and contiguous run."""
-        assert self._pool is not None
-        pool = self._pool
-        runs = np.array(contiguous_runs(src, dst), dtype=np.uint64).reshape(-1, 3)
-        block = np.uint64(pool.layout.block_bytes // pool.layout.num_layers)  # one layer's
-        layers = np.arange(pool.layout.num_layers, dtype=np.uint64)[:, None]
-
-        def descs(base: int, blocks: int, starts: np.ndarray, device_id: int) -> np.ndarray:
-            addr = np.uint64(base) + (layers * np.uint64(blocks) + starts[None, :]) * block
-            table = np.empty((addr.size, 3), dtype=np.uint64)
-            table[:, 0] = addr.reshape(-1)
-            table[:, 1] = np.broadcast_to(runs[:, 2] * block, addr.shape).reshape(-1)
-            table[:, 2] = device_id
-            return table
-
-        mem, device_id = _mem_of(pool)
-        local = descs(pool.tensor.data_ptr(), pool.num_blocks, runs[:, 1], device_id)
-        remote = descs(peer.base, peer.num_blocks, runs[:, 0], peer.device_id)
-        return (
-            self._agent.get_xfer_descs(local, mem),
-            self._agent.get_xfer_descs(remote, peer.mem),
-        )
+    def _reader_wire(self) -> _Wire:
+        if self._wire is None:
+            assert self._pool is not None
+            log.info("first fp8 KV handle: making this reader's fp8 copy of its pool")
+            self._wire = _Wire(self._agent, self._pool)
+        return self._wire
 
     def _state(self, xfer: Any, post: bool = False) -> str:
         """``PROC``, ``DONE`` or ``ERR``; NIXL raises for a failed transfer (a peer that
@@ -264,9 +356,17 @@ class NixlTransport(LeasedTransport):
         except Exception:  # a failed transfer's handle; the agent frees it at close
             log.warning("could not release a KV transfer handle", exc_info=True)
 
-    def _read(self, peer: PeerPool, h: KVHandle, dst: list[int]) -> None:
-        local, remote = self._descriptors(peer, h.block_ids, dst)
-        xfer = self._agent.initialize_xfer("READ", local, remote, peer.agent_name)
+    def _read(
+        self, peer: PeerPool, local: np.ndarray, remote: np.ndarray, mem: str, dst: list[int]
+    ) -> None:
+        """READ ``remote`` descriptors of ``peer`` into ``local`` ones; ``dst`` are the blocks
+        they write (held, if the READ is abandoned)."""
+        xfer = self._agent.initialize_xfer(
+            "READ",
+            self._agent.get_xfer_descs(local, mem),
+            self._agent.get_xfer_descs(remote, peer.mem),
+            peer.agent_name,
+        )
         deadline = time.monotonic() + self._transfer_timeout_s
         state = self._state(xfer, post=True)
         pause = 20e-6
@@ -321,6 +421,9 @@ class NixlTransport(LeasedTransport):
         for peer in self._peers.values():
             self._agent.remove_remote_agent(peer.agent_name)
         self._peers.clear()
+        if self._wire is not None:
+            self._wire.close()
+            self._wire = None
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
         self._agent = None

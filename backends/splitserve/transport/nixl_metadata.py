@@ -7,6 +7,7 @@ host>:<ephemeral port>`` (the handle's ``peer``)::
     request  b"SSMQ" | pool id (16) | nonce (16) | HMAC(key, all before)
     answer   b"SSMA" | nonce (16) | pool id (16) | base address (u64) | pool bytes (u64)
              | device id (u32) | memory kind (u8: 1 DRAM, 2 VRAM) | blocks (u32)
+             | fp8 wire blocks address (u64) | fp8 scales address (u64) (0, 0: none)
              | agent name length (u16) | agent name | agent metadata | HMAC(key, all before)
 
 The nonce ties an answer to its request (no replay of an old owner's answer); the request's
@@ -30,7 +31,7 @@ from splitserve.transport.channel import bind_tcp
 log = logging.getLogger(__name__)
 
 _REQUEST = struct.Struct("<4s16s16s")
-_ANSWER = struct.Struct("<4s16s16sQQIBIH")
+_ANSWER = struct.Struct("<4s16s16sQQIBIQQH")
 _MEM_KINDS = {"DRAM": 1, "VRAM": 2}
 _MEM_NAMES = {code: name for name, code in _MEM_KINDS.items()}
 REFUSED = b"SSMX"
@@ -49,6 +50,9 @@ class PeerPool:
     num_blocks: int
     metadata: bytes
     """The agent's NIXL metadata, for ``add_remote_agent`` (only once the MAC matched)."""
+    wire_base: int = 0
+    """Where the owner's fp8 copies of its blocks lie (``transfer_dtype="fp8"``), else 0."""
+    scales_base: int = 0
 
 
 def encode_request(key: bytes, pool_id: bytes, nonce: bytes) -> bytes:
@@ -67,6 +71,8 @@ def encode_answer(key: bytes, pool_id: bytes, nonce: bytes, pool: PeerPool) -> b
         pool.device_id,
         _MEM_KINDS[pool.mem],
         pool.num_blocks,
+        pool.wire_base,
+        pool.scales_base,
         len(name),
     )
     body = header + name + pool.metadata
@@ -82,8 +88,8 @@ def decode_answer(key: bytes, data: bytes, pool_id: bytes, nonce: bytes) -> Peer
     body, tag = data[:-MAC_SIZE], data[-MAC_SIZE:]
     if not hmac.compare_digest(mac(key, body), tag):
         raise InvalidHandle("KV owner metadata MAC mismatch: not from this deployment's key")
-    magic, got_nonce, got_pool, base, nbytes, device, mem, blocks, name_len = _ANSWER.unpack_from(
-        body
+    magic, got_nonce, got_pool, base, nbytes, device, mem, blocks, wire, scales, name_len = (
+        _ANSWER.unpack_from(body)
     )
     if magic != b"SSMA" or got_nonce != nonce or got_pool != pool_id or mem not in _MEM_NAMES:
         raise InvalidHandle("KV owner metadata answers another request")
@@ -96,6 +102,8 @@ def decode_answer(key: bytes, data: bytes, pool_id: bytes, nonce: bytes) -> Peer
         mem=_MEM_NAMES[mem],
         num_blocks=blocks,
         metadata=body[name_end:],
+        wire_base=wire,
+        scales_base=scales,
     )
 
 
