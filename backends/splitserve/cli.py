@@ -96,6 +96,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         prefill_urls=tuple(args.prefill_url or ()),
         prefill_dns=args.prefill_dns,
         transport=args.transport,
+        kv_transfer_dtype=args.kv_transfer_dtype,
         key_file=args.key_file,
         advertise_host=args.advertise_host,
         **given,
@@ -156,6 +157,13 @@ def add_split_arguments(s: argparse.ArgumentParser) -> None:
         choices=["shm", "cuda_ipc", "nixl"],
         help="KV handoff: shm (CPU, one host), cuda_ipc (GPU, one host), nixl (across hosts; "
         "the default of --role prefill/decode)",
+    )
+    s.add_argument(
+        "--kv-transfer-dtype",
+        choices=["auto", "fp8"],
+        help="nixl: how KV blocks cross the network: auto (the KV cache dtype, default) or fp8 "
+        "(e4m3 with a scale per block and head: half of bfloat16's bytes, lossy); set on the "
+        "prefill servers",
     )
     s.add_argument(
         "--key-file",

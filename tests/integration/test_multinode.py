@@ -10,88 +10,28 @@ nodes: greedy text, cancellation, a cut link, a killed prefill node, a killed de
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import netns
 import pytest
 from llm_client import MAX_MODEL_LEN, SERVE_ENGINE, ReferenceFactory
+from multinode_servers import CLIENT, SPLITSERVE, Server, client, gauges, is_idle, wait_until
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
 
-CLIENT = Path(__file__).with_name("multinode_client.py")
-SPLITSERVE = Path(sys.executable).with_name("splitserve")
 LEASE_TTL_S = 3.0
 TRANSFER_TIMEOUT_S = 3.0
 CALL_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 240.0
 PROMPTS = ("The quick brown fox", "def fibonacci(n: int) -> int:", "Splitserve across nodes")
 MAX_TOKENS = 24
-
-
-class Server:
-    """One ``splitserve serve`` in a node's namespace; its log beside the test's files."""
-
-    def __init__(self, node: netns.Node, log: Path, args: list[str]) -> None:
-        self.node = node
-        self.log = log
-        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONUNBUFFERED": "1"}
-        with log.open("wb") as out:
-            self.proc = node.popen(
-                [str(SPLITSERVE), "serve", *args], env=env, stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def wait_ready(self, deadline: float) -> None:
-        while not client(self.node, "ready", "http://127.0.0.1:8000"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-4000:]
-                pytest.fail(f"{self.node.name} did not start:\n{tail}")
-            time.sleep(1.0)
-
-    def kill_node(self) -> None:
-        """kill -9 of every process of the node: the machine died."""
-        pids = subprocess.run(
-            ["ip", "netns", "pids", self.node.netns], capture_output=True, text=True
-        ).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill_node()
-
-
-def client(node: netns.Node, *args: Any, timeout_s: float = 180.0) -> Any:
-    done = node.run([sys.executable, str(CLIENT), *map(str, args)], check=False, timeout=timeout_s)
-    if done.returncode != 0:
-        raise AssertionError(f"client {args[0]} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
-
-
-def gauges(node: netns.Node) -> dict[str, float]:
-    return client(node, "gauges", "http://127.0.0.1:8002/metrics")
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +85,6 @@ def servers(
     finally:
         for server in started.values():
             server.stop()
-
-
-def is_idle(node: netns.Node, model: str) -> bool:
-    values = gauges(node)
-    leases = values.get(f"splitserve_leases_outstanding|{model}", 0.0)
-    return values[f"splitserve_kv_blocks_used|{model}"] == 0 and leases == 0
 
 
 def all_idle(cluster: netns.Cluster, alive: tuple[str, ...]) -> bool:

@@ -116,3 +116,13 @@ def test_openai_port_needs_llm_on_this_server(key_file, capsys):
         cli_main(["serve", "--role", "prefill", "--key-file", str(key_file), "--openai-port", "9"])
     assert exit_info.value.code == 2
     assert "--openai-port needs a server with llm" in capsys.readouterr().err
+
+
+def test_fp8_transfer_is_a_nixl_setting(key_file):
+    spec = spec_of(
+        "--role", "prefill", "--key-file", str(key_file), "--kv-transfer-dtype", "fp8"
+    )  # fmt: skip
+    cfg = spec.serving_config("prefill", Path("/"))
+    assert cfg.kv_transfer_dtype == "fp8" and cfg.transport_options()["transfer_dtype"] == "fp8"
+    with pytest.raises(ValueError, match="fp8 needs transport nixl"):
+        spec_of("--kv-transfer-dtype", "fp8")

@@ -66,6 +66,7 @@ class ServeOptions:
     prefill_urls: tuple[str, ...] = ()
     prefill_dns: str | None = None
     transport: str | None = None
+    kv_transfer_dtype: str | None = None
     key_file: str | None = None
     advertise_host: str | None = None
 
@@ -79,6 +80,8 @@ def _split_settings(opts: ServeOptions) -> tuple[dict[str, Any], dict[str, Any]]
     shared: dict[str, Any] = {}
     if opts.transport is not None:
         shared["transport"] = opts.transport
+    if opts.kv_transfer_dtype is not None:
+        shared["kv_transfer_dtype"] = opts.kv_transfer_dtype
     if opts.advertise_host is not None:
         shared["advertise_host"] = opts.advertise_host
     decode: dict[str, Any] = {}

@@ -66,6 +66,10 @@ class ServingConfig:
     kv_transfer_timeout_s: float = 10.0
     """How long decode waits for one request's KV to arrive over the network (``nixl``)
     before it abandons the transfer (then ``kv_load_failure_policy`` applies)."""
+    kv_transfer_dtype: str = "auto"
+    """``nixl``: how prefill's blocks cross the network: ``auto`` in the pool's dtype, ``fp8`` as
+    e4m3 with a scale per block and head (about half of bfloat16's bytes; lossy). Decoding
+    needs nothing of the reader: it follows the handle."""
     kv_load_failure_policy: str = "recompute"
     """Decode, when a handed-over request's KV cannot be pulled (lease expired, owner gone,
     transfer past its deadline): ``recompute`` its prompt here, or ``fail`` it with
@@ -88,6 +92,12 @@ class ServingConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_transfer_dtype not in ("auto", "fp8"):
+            raise ValueError(
+                f"kv_transfer_dtype must be auto or fp8, got {self.kv_transfer_dtype!r}"
+            )
+        if self.kv_transfer_dtype == "fp8" and self.transport != "nixl":
+            raise ValueError("kv_transfer_dtype fp8 needs transport nixl (KV across machines)")
         if self.kv_load_failure_policy not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {HANDOFF_FAILURE_POLICIES}, "
@@ -132,6 +142,7 @@ class ServingConfig:
         if self.transport == "nixl":
             options["advertise_host"] = self.advertise_host or None
             options["transfer_timeout_s"] = self.kv_transfer_timeout_s
+            options["transfer_dtype"] = self.kv_transfer_dtype
             # A reader gives a READ up at its transfer timeout, so an owner whose reader died
             # mid-read need not keep the blocks for the default minute.
             options["pull_ttl_s"] = self.kv_transfer_timeout_s + PULL_MARGIN_S

@@ -33,7 +33,9 @@ COUNTERS = {
     "leases_released_total": "KV leases released by their reader",
     "leases_expired_total": "KV leases freed because nobody released them in time",
     "kv_handoffs_total": "KV handoffs pulled by this instance",
-    "kv_handoff_bytes_total": "Bytes of KV pulled by this instance",
+    "kv_handoff_bytes_total": "Bytes of KV pulled by this instance, as they crossed the "
+    "transport (encoded, where kv_transfer_dtype is fp8)",
+    "kv_handoff_fp8_bytes_total": "Of kv_handoff_bytes_total, the bytes that came fp8-encoded",
     "kv_handoff_seconds_total": "Seconds spent pulling KV",
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
     "(then kv_load_failure_policy applies)",
@@ -193,6 +195,7 @@ TRANSPORT_COUNTERS = {
     "expired": ("leases_expired_total", 1.0),
     "fetches": ("kv_handoffs_total", 1.0),
     "fetched_bytes": ("kv_handoff_bytes_total", 1.0),
+    "fetched_fp8_bytes": ("kv_handoff_fp8_bytes_total", 1.0),
     "fetch_ns": ("kv_handoff_seconds_total", 1e-9),
     "transfer_timeouts": ("kv_transfer_timeouts_total", 1.0),
     "prefill_calls": ("prefill_calls_total", 1.0),
