@@ -22,9 +22,7 @@ START_TIMEOUT_S = 240.0
 
 
 @pytest.fixture(scope="module")
-def nodes(
-    serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[netns.Cluster]:
+def nodes(serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[netns.Cluster]:
     if (reason := netns.available()) is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("multinode_fp8")
