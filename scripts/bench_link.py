@@ -35,14 +35,14 @@ SPLITSERVE = Path(sys.executable).with_name("splitserve")
 PORT = 5701
 
 
-def handoffs(cluster: netns.Cluster, repeats: int) -> list[dict[str, Any]]:
+def handoffs(cluster: netns.Cluster, repeats: int, encoding: str) -> list[dict[str, Any]]:
     """``splitserve plan link serve`` in prefill0, ``... measure`` in decode: one row per
     length (128, 1k, 4k tokens), the median of ``repeats`` handoffs."""
     env = {**os.environ, "UCX_TLS": "tcp", **key_environ(generate_key())}
     owner_node, reader_node = cluster["prefill0"], cluster["decode"]
     owner = owner_node.popen(
         [str(SPLITSERVE), "plan", "link", "serve", "--host", owner_node.address,
-         "--port", str(PORT)],
+         "--port", str(PORT), "--kv-transfer-dtype", encoding],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
@@ -74,6 +74,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="iperf3 run length")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--kv-transfer-dtype",
+        default="auto",
+        help="comma-separated encodings to measure each (auto, fp8): fp8 rows move e4m3 and "
+        "count the owner's encoding in their time",
+    )
+    ap.add_argument(
         "--keep-cwnd",
         action="store_true",
         help="net.ipv4.tcp_slow_start_after_idle=0 in both nodes: a connection idle between "
@@ -91,16 +97,18 @@ def main() -> None:
             for node in cluster:
                 netns.set_rate(node, rate)
             ceiling = iperf3_ceiling(cluster["decode"], cluster["prefill0"], args.seconds)
-            for h in handoffs(cluster, args.repeats):
-                tokens = h["tokens"]
-                rows.append({**h, "rate_gbit": rate, "tcp_gbit_s": ceiling})
-                print(
-                    f"link {'unlimited' if rate is None else f'{rate:g} Gbit/s':>10}  "
-                    f"TCP {ceiling:6.2f} Gbit/s  {tokens:5d} tokens  "
-                    f"{h['bytes'] / 2**20:6.1f} MiB in {h['seconds'] * 1e3:8.1f} ms  "
-                    f"= {h['gbit_s']:6.2f} Gbit/s ({h['gbit_s'] / ceiling:.2f} of TCP)",
-                    flush=True,
-                )
+            for encoding in args.kv_transfer_dtype.split(","):
+                for h in handoffs(cluster, args.repeats, encoding):
+                    rows.append({**h, "rate_gbit": rate, "tcp_gbit_s": ceiling})
+                    print(
+                        f"link {'unlimited' if rate is None else f'{rate:g} Gbit/s':>10}  "
+                        f"TCP {ceiling:6.2f} Gbit/s  {h['tokens']:5d} tokens  "
+                        f"{h['bytes'] / 2**20:6.1f} MiB as {h['wire_bytes'] / 2**20:5.1f} MiB "
+                        f"{h['encoding']:4s} in {h['seconds'] * 1e3:8.1f} ms (export "
+                        f"{h['export_seconds'] * 1e3:5.1f})  = {h['gbit_s']:6.2f} Gbit/s of KV "
+                        f"({h['gbit_s'] / ceiling:.2f} of TCP)",
+                        flush=True,
+                    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -69,3 +69,19 @@ def test_silent_owner_is_a_clear_timeout(monkeypatch):
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_fp8_owner_halves_what_crosses_and_reports_its_export():
+    with LinkOwner(KEY, "127.0.0.1", layout=LAYOUT, max_tokens=64, transfer_dtype="fp8") as owner:
+        stop = threading.Event()
+        thread = threading.Thread(target=owner.serve, args=(stop,))
+        thread.start()
+        try:
+            (row,) = measure(owner.address, KEY, lengths=(64,), repeats=2, host="127.0.0.1")
+        finally:
+            stop.set()
+            thread.join()
+    assert row["encoding"] == "fp8" and row["bytes"] == 16 * LAYOUT.block_bytes
+    # float32 KV: a byte per value plus a float32 scale per 4 x 8 values of a head.
+    assert row["wire_bytes"] / row["bytes"] == pytest.approx((1 + 4 / 32) / 4)
+    assert 0 < row["export_seconds"] < row["seconds"]

@@ -38,7 +38,14 @@ def cmd_link_serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with LinkOwner(_key(args), host, args.port, layout=layout, max_tokens=args.max_tokens) as owner:
+    with LinkOwner(
+        _key(args),
+        host,
+        args.port,
+        layout=layout,
+        max_tokens=args.max_tokens,
+        transfer_dtype=args.kv_transfer_dtype,
+    ) as owner:
         print(
             f"link owner at {owner.address} ({layout.block_bytes // layout.block_size} bytes "
             "of KV per token); measure from the other host with",
@@ -55,8 +62,10 @@ def cmd_link_measure(args: argparse.Namespace) -> None:
 
     def show(row: dict[str, Any]) -> None:
         print(
-            f"{row['tokens']:6d} tokens  {row['bytes'] / 2**20:7.1f} MiB  "
-            f"{row['seconds'] * 1e3:8.2f} ms  {row['gbit_s']:6.2f} Gbit/s",
+            f"{row['tokens']:6d} tokens  {row['bytes'] / 2**20:7.1f} MiB as "
+            f"{row['wire_bytes'] / 2**20:5.1f} MiB {row['encoding']:4s}  "
+            f"{row['seconds'] * 1e3:8.2f} ms (export {row['export_seconds'] * 1e3:.2f})  "
+            f"{row['gbit_s']:6.2f} Gbit/s",
             flush=True,
         )
 
@@ -90,6 +99,12 @@ def add_link_parser(psub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", help="a checkpoint whose KV layout to use (default: 100m's)")
     s.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-tokens", type=int, default=4096, help="the longest handoff served")
+    s.add_argument(
+        "--kv-transfer-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="how the blocks travel, as `serve --kv-transfer-dtype` (fp8: encoded at export)",
+    )
     s.set_defaults(func=cmd_link_serve)
     m = lsub.add_parser("measure", help="time handoffs from a `serve` host")
     m.add_argument("address", help="the tcp://HOST:PORT that `serve` printed")
