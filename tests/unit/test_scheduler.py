@@ -1,3 +1,6 @@
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from splitserve.engine.request import Request
@@ -182,3 +185,92 @@ def test_failed_handoff_ends_the_request_under_the_fail_policy():
 def test_unknown_handoff_failure_policy_is_refused():
     with pytest.raises(ValueError, match="on_handoff_failure"):
         SchedulerLimits(4, 8, 64, on_handoff_failure="retry")
+
+
+class GatedSource:
+    """A load that waits until the test opens the gate, then succeeds or raises ``error``."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.gate = threading.Event()
+        self.error = error
+        self.loaded: list[int] = []
+
+    def load(self, dst: list[int]) -> None:
+        assert self.gate.wait(5)
+        if self.error is not None:
+            raise self.error
+        self.loaded = list(dst)
+
+    def discard(self) -> None:
+        raise AssertionError("a pulled source is not discarded")
+
+
+def _handed_over(rid: str, n: int) -> Request:
+    req = _req(rid, n)
+    req.num_computed, req.output_ids = n, [9]
+    return req
+
+
+def _settled(s: Scheduler) -> None:
+    s.wait_for_pulls(5)
+
+
+def test_pull_on_the_puller_lets_the_batch_keep_stepping():
+    with ThreadPoolExecutor(1) as puller:
+        s = Scheduler(BlockAllocator(16), SchedulerLimits(4, 8, 64), puller)
+        running = _handed_over("running", 4)
+        ready = GatedSource()
+        ready.gate.set()
+        s.add_prefilled(running, ready)
+        s.schedule()
+        _settled(s)
+        assert s.schedule().decodes == [running]
+        source = GatedSource()
+        late = _handed_over("late", 8)
+        s.add_prefilled(late, source)
+        plan = s.schedule()
+        assert plan.decodes == [running] and s.pulling and s.num_unfinished == 2
+        assert late.block_ids and s.allocator.num_used == len(running.block_ids) + 3
+        assert s.pulls_outstanding
+        source.gate.set()
+        _settled(s)
+        running.output_ids.append(1)
+        running.num_computed = running.num_tokens - 1
+        plan = s.schedule()
+        assert late in plan.decodes and late in s.running and not s.pulling
+        assert source.loaded == late.block_ids[:2]
+
+
+def test_request_dropped_mid_pull_keeps_its_blocks_until_the_pull_ends():
+    with ThreadPoolExecutor(1) as puller:
+        s = Scheduler(BlockAllocator(16), SchedulerLimits(4, 8, 64), puller)
+        source = GatedSource(BlocksStillWritten("abandoned", []))
+        req = _handed_over("a", 8)
+        s.add_prefilled(req, source)
+        s.schedule()
+        s.remove(req)
+        assert s.allocator.num_used == 3 and s.num_unfinished == 0 and s.pulls_outstanding
+        source.error = BlocksStillWritten("abandoned", req.block_ids[:1])
+        source.gate.set()
+        _settled(s)
+        s.schedule()
+        assert not s.pulls_outstanding and s.allocator.num_used == 1  # the held block
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_pull_follows_the_policy(policy):
+    with ThreadPoolExecutor(1) as puller:
+        limits = SchedulerLimits(4, 8, 64, on_handoff_failure=policy)
+        s = Scheduler(BlockAllocator(16), limits, puller)
+        source = GatedSource(RuntimeError("owner gone"))
+        req = _handed_over("a", 8)
+        s.add_prefilled(req, source)
+        s.schedule()
+        source.gate.set()
+        _settled(s)
+        plan = s.schedule()
+        assert s.num_handoff_failures == 1
+        if policy == "fail":
+            assert s.failed[0][0] is req and s.allocator.num_used == 0 and plan.empty
+        else:
+            assert plan.prefills == [(req, 9)] and not s.failed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import torch
 
@@ -18,6 +19,9 @@ from splitserve.kv.pool import KVPool
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.tokenizer import Tokenizer
 
+PULL_WAIT_S = 0.005
+"""How long a step with nothing to run but loads in flight waits for one to end."""
+
 
 class Engine:
     """Prefills and decodes requests in one loop; also admits requests prefilled elsewhere."""
@@ -29,9 +33,12 @@ class Engine:
         tokenizer: Tokenizer,
         limits: SchedulerLimits,
         max_model_len: int,
+        puller: Executor | None = None,
     ) -> None:
+        """``puller``: where handed-over requests' KV is loaded (see ``Scheduler``); None: in
+        the step that admits them."""
         self.runner = ModelRunner(model, pool)
-        self.scheduler = Scheduler(pool.allocator, limits)
+        self.scheduler = Scheduler(pool.allocator, limits, puller)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids(tokenizer, model.cfg)
         self.vocab_size = model.cfg.vocab_size
@@ -40,7 +47,8 @@ class Engine:
         self.states: dict[str, OutputState] = {}
 
     def has_unfinished(self) -> bool:
-        return bool(self.states)
+        """Requests to step, or loads of dropped requests still to settle."""
+        return bool(self.states) or self.scheduler.pulls_outstanding
 
     def _new_state(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self.states:
@@ -99,6 +107,8 @@ class Engine:
         plan = self.scheduler.schedule()
         outputs = [self._failed(req, why) for req, why in self.scheduler.failed]
         self.scheduler.failed.clear()
+        if plan.empty and not outputs and self.scheduler.pulls_outstanding:
+            self.scheduler.wait_for_pulls(PULL_WAIT_S)
         if plan.decodes:
             logits = self.runner.decode(plan.decodes)
             outputs += self._postprocess(plan.decodes, logits)

@@ -8,12 +8,19 @@ its blocks are freed and it is recomputed later from its tokens. A handed-over r
 cannot be loaded (its lease expired, its owner is gone, the transfer missed its deadline) is
 recomputed the same way, or ends with an error (``on_handoff_failure="fail"``: a decode server
 whose cores are sized for decode, where a prompt pass would stall every running stream).
+
+With a ``puller`` (an executor), loads run on it instead of in ``schedule``: the request waits
+in ``pulling`` with its blocks reserved while the batch keeps stepping, and joins it at the first
+``schedule`` after its load ended. A pull over a network takes up to a transfer deadline; on the
+engine thread it would stall every running stream that long. A request dropped mid-pull keeps
+its blocks until the pull ends (its bytes may still be landing).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,11 +73,18 @@ HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, limits: SchedulerLimits) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, limits: SchedulerLimits, puller: Executor | None = None
+    ) -> None:
         self.allocator = allocator
         self.limits = limits
+        self.puller = puller
         self.waiting: deque[Request] = deque()
         self.arrived: deque[tuple[Request, KVSource]] = deque()
+        self.pulling: list[tuple[Request, Future[None]]] = []
+        """Handed-over requests whose KV the puller is loading into their reserved blocks."""
+        self._dropped: list[tuple[Request, Future[None]]] = []
+        """Requests removed mid-pull: their blocks are freed once the pull ends."""
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_handoff_failures = 0
@@ -80,7 +94,18 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.arrived) + len(self.running)
+        return len(self.waiting) + len(self.arrived) + len(self.pulling) + len(self.running)
+
+    @property
+    def pulls_outstanding(self) -> bool:
+        """Loads still running on the puller (of live or dropped requests)."""
+        return bool(self.pulling or self._dropped)
+
+    def wait_for_pulls(self, timeout_s: float) -> None:
+        """Block until a load ends or ``timeout_s`` passed (a step with nothing else to do)."""
+        futures = [f for _, f in self.pulling + self._dropped]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -100,11 +125,16 @@ class Scheduler:
         return True
 
     def remove(self, req: Request) -> None:
-        """Take ``req`` out of whichever queue holds it and free its blocks."""
+        """Take ``req`` out of whichever queue holds it and free its blocks (mid-pull: once
+        the pull ends)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif (pull := next((p for p in self.pulling if p[0] is req), None)) is not None:
+            self.pulling.remove(pull)
+            self._dropped.append(pull)
+            return
         else:
             for item in self.arrived:
                 if item[0] is req:
@@ -129,6 +159,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._schedule_decodes(out)
+        self._settle_pulls(out)
         self._admit_arrived(out)
         self._schedule_prefills(out)
         return out
@@ -146,37 +177,66 @@ class Scheduler:
                 out.decodes.append(req)
 
     def _admit_arrived(self, out: SchedulerOutput) -> None:
-        while self.arrived and len(self.running) < self.limits.max_num_seqs:
+        while self.arrived and len(self.running) + len(self.pulling) < self.limits.max_num_seqs:
             req, source = self.arrived[0]
             if not self._grow(req, req.num_tokens):
                 break
             self.arrived.popleft()
-            try:
-                source.load(req.block_ids[: -(-req.num_computed // self.limits.block_size)])
-            except Exception as exc:
-                self.num_handoff_failures += 1
-                fail = self.limits.on_handoff_failure == "fail"
-                log.warning(
-                    "KV handoff of %s failed; %s",
-                    req.request_id,
-                    "ending it" if fail else "recomputing its prompt",
-                    exc_info=True,
-                )
-                if isinstance(exc, BlocksStillWritten):
-                    held = set(exc.block_ids)
-                    req.block_ids = [b for b in req.block_ids if b not in held]
-                self.free(req)
-                if fail:
-                    req.status = Status.FINISHED
-                    req.finish_reason = "error"
-                    self.failed.append((req, f"the prompt's KV could not be pulled: {exc}"))
-                else:
-                    req.num_computed = 0
-                    self.waiting.appendleft(req)
+            dst = req.block_ids[: -(-req.num_computed // self.limits.block_size)]
+            if self.puller is not None:
+                self.pulling.append((req, self.puller.submit(source.load, dst)))
                 continue
-            req.status = Status.RUNNING
-            self.running.append(req)
-            out.decodes.append(req)
+            try:
+                source.load(dst)
+            except Exception as exc:
+                self._load_failed(req, exc)
+                continue
+            self._join(req, out)
+
+    def _settle_pulls(self, out: SchedulerOutput) -> None:
+        for item in [p for p in self.pulling if p[1].done()]:
+            self.pulling.remove(item)
+            req, done = item
+            exc = done.exception()
+            if exc is not None:
+                self._load_failed(req, exc)
+            else:
+                self._join(req, out)
+        for item in [p for p in self._dropped if p[1].done()]:
+            self._dropped.remove(item)
+            self._drop_held(item[0], item[1].exception())
+            self.free(item[0])
+
+    def _join(self, req: Request, out: SchedulerOutput) -> None:
+        req.status = Status.RUNNING
+        self.running.append(req)
+        out.decodes.append(req)
+
+    @staticmethod
+    def _drop_held(req: Request, exc: BaseException | None) -> None:
+        """Leave out the blocks a transport still holds (an abandoned network read)."""
+        if isinstance(exc, BlocksStillWritten):
+            held = set(exc.block_ids)
+            req.block_ids = [b for b in req.block_ids if b not in held]
+
+    def _load_failed(self, req: Request, exc: BaseException) -> None:
+        self.num_handoff_failures += 1
+        fail = self.limits.on_handoff_failure == "fail"
+        log.warning(
+            "KV handoff of %s failed; %s",
+            req.request_id,
+            "ending it" if fail else "recomputing its prompt",
+            exc_info=exc,
+        )
+        self._drop_held(req, exc)
+        self.free(req)
+        if fail:
+            req.status = Status.FINISHED
+            req.finish_reason = "error"
+            self.failed.append((req, f"the prompt's KV could not be pulled: {exc}"))
+        else:
+            req.num_computed = 0
+            self.waiting.appendleft(req)
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
         budget = self.limits.max_num_batched_tokens - len(out.decodes)

@@ -2,8 +2,9 @@
 
 Per request: validate and tokenize, call prefill once (BLS to the local ``prefill`` model, or
 gRPC to the prefill servers of ``--role decode``), stream the first token, hand the request
-(with its KV handle) to the engine loop, which pulls the blocks when it has room and streams
-every further token straight to the client.
+(with its KV handle) to the engine loop, which pulls the blocks when it has room (over ``nixl``
+on a thread of its own, while the batch keeps stepping) and streams every further token straight
+to the client.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 from splitserve.engine.request import random_seed
@@ -51,6 +53,13 @@ class DecodeModel(GenerateModelBase):
         self.transport.register(pool)
         self.prefill_client = self._prefill_client()
         return pool
+
+    def make_puller(self) -> Executor | None:
+        # A pull over the network lasts up to kv_transfer_timeout_s: off the engine thread, so
+        # that the running streams keep stepping meanwhile. Local copies stay in the step.
+        if self.cfg.transport != "nixl":
+            return None
+        return ThreadPoolExecutor(1, thread_name_prefix="splitserve-kv-pull")
 
     def _prefill_client(self) -> PrefillClient:
         """BLS to the local ``prefill`` model, or gRPC to the prefill servers of the spec."""

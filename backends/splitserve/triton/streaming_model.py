@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import Executor
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -76,19 +77,25 @@ class GenerateModelBase:
         """Everything that runs torch ops before serving; on a thread of its own, so that the
         engine loop's OpenMP team is the process's only one (``serving.threads``)."""
         self.parts: Components = build_components(self.cfg.engine)
+        pool = self.make_pool()
         return Engine(
             self.parts.model,
-            self.make_pool(),
+            pool,
             self.parts.tokenizer,
             dataclasses.replace(
                 scheduler_limits(self.cfg.engine),
                 on_handoff_failure=self.cfg.kv_load_failure_policy,
             ),
             self.parts.max_model_len,
+            puller=self.make_puller(),
         )
 
     def make_pool(self) -> KVPool:
         return self.parts.new_pool()
+
+    def make_puller(self) -> Executor | None:
+        """Where handed-over KV is loaded, if not on the engine thread (``Scheduler``)."""
+        return None
 
     def transport_counts(self) -> dict[str, int]:
         """Cumulative counts of this instance's KV transport, if it has one."""
