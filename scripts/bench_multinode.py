@@ -6,7 +6,10 @@ Per link rate and prompt length (exact token counts, 100m checkpoint in bfloat16
 prompts are sent one at a time from inside the decode node; printed: TTFT and the time from the
 first to the second token (medians), and the decode server's own handoff time per request
 (``splitserve_kv_handoff_seconds_total`` / ``..._handoffs_total``). The first token streams
-before the pull, so the transfer shows up between the first and second tokens. Needs root.
+before the pull, so the transfer shows up between the first and second tokens. With
+``--stall``, a greedy stream runs meanwhile and the script prints its longest gap between tokens
+while each prompt's KV crosses (what a pull costs the other streams), against its median gap.
+Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,unlimited] [--repeats 5]
 """
@@ -70,6 +73,30 @@ def start(node: netns.Node, args: list[str], log: Path) -> subprocess.Popen[byte
     return proc
 
 
+def stall_row(
+    decode: netns.Node, tokenizer: Any, rate: float | None, repeats: int, work: Path
+) -> dict[str, Any]:
+    length = max(LENGTHS)
+    path = work / "stall-prompts.json"
+    path.write_text(json.dumps(exact_prompts(tokenizer, repeats, length)))
+    got = run_client(decode, "stall", "127.0.0.1:8001", "A stream that keeps going", str(path))
+    row = {
+        "rate_gbit": rate,
+        "stall_tokens": length,
+        "stall_s": statistics.median(got["stall"]),
+        "median_gap_s": got["median_gap"],
+        "handoff_window_s": statistics.median(got["handoff_window"]),
+    }
+    label = "unlimited" if rate is None else f"{rate:g} Gbit/s"
+    print(
+        f"link {label:>10}  a stream's longest gap while {length}-token prompts' KV crosses: "
+        f"{row['stall_s'] * 1e3:7.1f} ms (its median gap {row['median_gap_s'] * 1e3:5.1f} ms; "
+        f"first->second of the prompts {row['handoff_window_s'] * 1e3:7.1f} ms)",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="100m")
@@ -77,6 +104,11 @@ def main() -> None:
     ap.add_argument("--rates", default="1,10,unlimited")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--stall",
+        action="store_true",
+        help="also: a stream's longest token gap while 4k-token prompts are handed over",
+    )
     args = ap.parse_args()
     if (reason := netns.available()) is not None:
         sys.exit(f"bench_multinode: {reason}")
@@ -124,6 +156,8 @@ def main() -> None:
                         f"handoff {handoff * 1e3:7.1f} ms",
                         flush=True,
                     )
+                if args.stall:
+                    rows.append(stall_row(decode, tokenizer, rate, args.repeats, work))
         finally:
             for proc in servers:
                 proc.terminate()

@@ -8,10 +8,13 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py gauges METRICS_URL
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
     multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: [ttft, second] s)
+    multinode_client.py stall GRPC_URL PROMPT PROMPTS_JSON  (a stream's longest token gap while
+                                                          each prompt's KV is handed over)
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import threading
@@ -112,6 +115,58 @@ def timing(url: str, prompts: list[str]) -> list[list[float]]:
     return out
 
 
+def stall(url: str, background: str, prompts: list[str]) -> dict[str, Any]:
+    """A greedy stream of ``background`` runs while ``prompts`` are sent one at a time; per
+    prompt, the stream's longest gap between tokens from that prompt's first token to its
+    second (when its KV crosses), and the stream's median gap overall."""
+    arrivals: list[float] = []
+    started = threading.Event()
+
+    def stream_background() -> None:
+        sampling = {"max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        with GrpcStream(url) as stream:
+            stream.send(MODEL, generate_inputs(background, stream=True, sampling=sampling))
+            while not done.is_set():
+                _, error = stream.next(120.0)
+                if error is not None:
+                    raise error
+                arrivals.append(time.perf_counter())
+                if len(arrivals) == 16:
+                    started.set()
+            stream.client.stop_stream(cancel_requests=True)
+
+    done = threading.Event()
+    thread = threading.Thread(target=stream_background)
+    thread.start()
+    assert started.wait(300), "the background stream did not start"
+    windows = []
+    with GrpcStream(url) as stream:
+        sampling = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        for prompt in prompts:
+            stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
+            stamps = []
+            for _ in range(2):
+                _, error = stream.next(300.0)
+                if error is not None:
+                    raise error
+                stamps.append(time.perf_counter())
+            windows.append(stamps)
+            time.sleep(0.5)
+    done.set()
+    thread.join(300)
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+
+    def longest(lo: float, hi: float) -> float:
+        inside = [b - a for a, b in itertools.pairwise(arrivals) if b > lo and a < hi]
+        return max(inside, default=0.0)
+
+    return {
+        "median_gap": sorted(gaps)[len(gaps) // 2],
+        "stall": [longest(first, second) for first, second in windows],
+        "handoff_window": [second - first for first, second in windows],
+    }
+
+
 def main(argv: list[str]) -> Any:
     cmd, *args = argv
     if cmd == "ready":
@@ -129,6 +184,9 @@ def main(argv: list[str]) -> Any:
     if cmd == "timing":
         with open(args[1]) as f:
             return timing(args[0], json.load(f))
+    if cmd == "stall":
+        with open(args[2]) as f:
+            return stall(args[0], args[1], json.load(f))
     if cmd == "openai":
         return openai_completion(args[0], args[1], int(args[2]))
     raise SystemExit(f"unknown command {cmd!r}")

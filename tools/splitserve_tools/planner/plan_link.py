@@ -10,8 +10,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from splitserve.transport.key import load_key, read_key_file
-
 
 def _lengths(text: str) -> tuple[int, ...]:
     try:
@@ -26,6 +24,8 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def _key(args: argparse.Namespace) -> bytes:
+    from splitserve.transport.key import load_key, read_key_file
+
     return read_key_file(args.key_file) if args.key_file else load_key()
 
 
