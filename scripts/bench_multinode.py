@@ -105,6 +105,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument(
+        "--kv-transfer-dtype", default="auto", help="the prefill server's (auto or fp8)"
+    )
+    ap.add_argument(
         "--stall",
         action="store_true",
         help="also: a stream's longest token gap while 4k-token prompts are handed over",
@@ -124,8 +127,8 @@ def main() -> None:
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
         servers = [
-            start(prefill, [*common, "--role", "prefill", "--advertise-host", prefill.address],
-                  work / "prefill.log"),
+            start(prefill, [*common, "--role", "prefill", "--advertise-host", prefill.address,
+                            "--kv-transfer-dtype", args.kv_transfer_dtype], work / "prefill.log"),
             start(decode, [*common, "--role", "decode", "--advertise-host", decode.address,
                            f"--prefill-url={prefill.address}:8001"], work / "decode.log"),
         ]  # fmt: skip

@@ -161,10 +161,14 @@ def test_plan_search_prices_a_slow_link_between_nodes(
         {"rate_gbit": 0.01, "tokens": t, "bytes": t * 4096, "seconds": 5e-3 + t * 4096 / 1.25e6}
         for t in (128, 1024)
     ]
-    (tmp_path / "measured.json").write_text(json.dumps(rows))
+    fp8 = [{**r, "encoding": "fp8", "seconds": 5e-3 + r["bytes"] / 2.5e6} for r in rows]
+    (tmp_path / "measured.json").write_text(json.dumps(rows + fp8))
     measured = ["--link-json", str(tmp_path / "measured.json"), "--link-rate", "0.01"]
     assert best_disagg(measured, "measured_link.json") == pytest.approx(slow, rel=0.05)
-    assert "handoff measured over the link" in capsys.readouterr().out
+    assert "raw handoff measured over the link" in capsys.readouterr().out
+    halved = best_disagg([*measured, "--kv-transfer-dtype", "fp8"], "fp8_link.json")
+    assert "fp8 handoff measured over the link" in capsys.readouterr().out
+    assert halved > slow
 
 
 def test_plan_search_k8s_writes_the_plans_replicas_and_cores(

@@ -95,10 +95,11 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
 
         from splitserve_tools.planner.fit import link_fit
 
-        handoff = link_fit(json.loads(args.link_json.read_text()), args.link_rate)
+        encoding = "fp8" if args.kv_transfer_dtype == "fp8" else "raw"
+        handoff = link_fit(json.loads(args.link_json.read_text()), args.link_rate, encoding)
         profile = replace(profile, handoff=handoff)
         print(
-            f"prefill and decode on different nodes: handoff measured over the link "
+            f"prefill and decode on different nodes: {encoding} handoff measured over the link "
             f"({args.link_json}): {handoff.fixed_s * 1e3:.2f} ms + "
             f"{handoff.bytes_per_s * 8 / 1e9:.2f} Gbit/s"
         )
@@ -298,6 +299,12 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         type=float,
         help="with --link-json: the tc rate (Gbit/s) of the rows to fit (default: the unlimited "
         "link's rows)",
+    )
+    s.add_argument(
+        "--kv-transfer-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="with --link-json: price the handoff by that file's rows of this encoding",
     )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")

@@ -137,13 +137,21 @@ def over_link(local: HandoffFit, gbit_s: float, latency_s: float) -> HandoffFit:
     return HandoffFit(local.fixed_s + latency_s, min(local.bytes_per_s, gbit_s * 1e9 / 8))
 
 
-def link_fit(rows: Sequence[dict[str, Any]], rate_gbit: float | None) -> HandoffFit:
-    """The handoff across nodes fitted to ``scripts/bench_link.py --json`` rows of one tc rate
-    (None: the unlimited link): their ``bytes`` and median ``seconds``."""
-    points = [(int(r["bytes"]), float(r["seconds"])) for r in rows if r["rate_gbit"] == rate_gbit]
+def link_fit(
+    rows: Sequence[dict[str, Any]], rate_gbit: float | None, encoding: str = "raw"
+) -> HandoffFit:
+    """The handoff across nodes fitted to ``splitserve plan link measure`` (or
+    ``scripts/bench_link.py --json``) rows of one tc rate (None: an unshaped link) and one
+    encoding (``raw`` or ``fp8``; rows without one are raw): their KV ``bytes`` and median
+    ``seconds`` (for fp8, encoding included: the fit prices the KV's own bytes)."""
+    points = [
+        (int(r["bytes"]), float(r["seconds"]))
+        for r in rows
+        if r["rate_gbit"] == rate_gbit and r.get("encoding", "raw") == encoding
+    ]
     if not points:
-        rates = sorted({str(r["rate_gbit"]) for r in rows})
-        raise ValueError(f"no link rows at rate {rate_gbit}; the file has {rates}")
+        have = sorted({f"{r['rate_gbit']} {r.get('encoding', 'raw')}" for r in rows})
+        raise ValueError(f"no {encoding} link rows at rate {rate_gbit}; the file has {have}")
     return fit_handoff(points)
 
 
