@@ -16,9 +16,24 @@ from typing import Any
 
 import netns
 import pytest
+from llm_client import MAX_MODEL_LEN, SERVE_ENGINE
 
 CLIENT = Path(__file__).with_name("multinode_client.py")
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
+
+
+def server_args(ckpt: Path, work: Path) -> list[str]:
+    """What every server of a test deployment is started with: the checkpoint, its limits and
+    a fresh key file (mode 0600) in ``work``."""
+    key = work / "handle.key"
+    key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)
+    return [
+        "--model", str(ckpt),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--param", f"num_kv_blocks={SERVE_ENGINE['num_kv_blocks']}",
+        "--key-file", str(key),
+    ]  # fmt: skip
 
 
 class Server:

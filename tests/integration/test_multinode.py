@@ -11,7 +11,6 @@ nodes: greedy text, cancellation, a cut link, a killed prefill node, a killed de
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,8 +19,17 @@ from pathlib import Path
 
 import netns
 import pytest
-from llm_client import MAX_MODEL_LEN, SERVE_ENGINE, ReferenceFactory
-from multinode_servers import CLIENT, SPLITSERVE, Server, client, gauges, is_idle, wait_until
+from llm_client import MAX_MODEL_LEN, ReferenceFactory
+from multinode_servers import (
+    CLIENT,
+    SPLITSERVE,
+    Server,
+    client,
+    gauges,
+    is_idle,
+    server_args,
+    wait_until,
+)
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
@@ -48,16 +56,7 @@ def servers(
     cluster: netns.Cluster, serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Server]]:
     tmp = tmp_path_factory.mktemp("multinode")
-    key = tmp / "handle.key"
-    key.write_text(os.urandom(32).hex() + "\n")
-    key.chmod(0o600)
-    common = [
-        "--model", str(serve_ckpt),
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--param", f"num_kv_blocks={SERVE_ENGINE['num_kv_blocks']}",
-        "--key-file", str(key),
-        "--transport", "nixl",
-    ]  # fmt: skip
+    common = [*server_args(serve_ckpt, tmp), "--transport", "nixl"]
     started: dict[str, Server] = {}
     try:
         for name in ("prefill0", "prefill1"):

@@ -5,15 +5,13 @@ measured, not asserted here (``scripts/kv_fp8_quality.py``, BENCHMARKS.md)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import netns
 import pytest
-from llm_client import MAX_MODEL_LEN, SERVE_ENGINE
-from multinode_servers import Server, client, gauges, is_idle, wait_until
+from multinode_servers import Server, client, gauges, is_idle, server_args, wait_until
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
@@ -26,15 +24,7 @@ def nodes(serve_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     if (reason := netns.available()) is not None:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("multinode_fp8")
-    key = tmp / "handle.key"
-    key.write_text(os.urandom(32).hex() + "\n")
-    key.chmod(0o600)
-    common = [
-        "--model", str(serve_ckpt),
-        "--max-model-len", str(MAX_MODEL_LEN),
-        "--param", f"num_kv_blocks={SERVE_ENGINE['num_kv_blocks']}",
-        "--key-file", str(key),
-    ]  # fmt: skip
+    common = server_args(serve_ckpt, tmp)
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
         servers = [

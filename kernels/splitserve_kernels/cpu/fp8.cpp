@@ -126,8 +126,24 @@ void decode_one(const uint8_t* q, const float* scales, scalar_t* x, const Geomet
 struct Plan {
   Geometry g;
   int64_t layers, n, pool_blocks, wire_blocks;
+  const int64_t* pool_ids;
+  const int64_t* wire_ids;
+
+  // fn(pool slot, wire slot) for every layer, block pair and K/V, in parallel; a slot is one
+  // K or V of one layer and block (``g.slot()`` values).
+  template <typename Fn>
+  void for_each_slot(Fn&& fn) const {
+    at::parallel_for(0, layers * n * 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kv = item % 2, i = item / 2 % n, layer = item / 2 / n;
+        const int64_t pool_slot = (layer * pool_blocks + pool_ids[i]) * 2 + kv;
+        fn(pool_slot, (layer * wire_blocks + wire_ids[i]) * 2 + kv);
+      }
+    });
+  }
 };
 
+// Checks the tensors; pool_ids and wire_ids must stay alive (contiguous int64) while the plan is.
 Plan check(const torch::Tensor& pool, const torch::Tensor& q, const torch::Tensor& scales,
            const torch::Tensor& pool_ids, const torch::Tensor& wire_ids, const char* name) {
   TORCH_CHECK(pool.dim() == 6 && q.dim() == 6, name, ": pool and wire blocks are 6-d");
@@ -141,15 +157,15 @@ Plan check(const torch::Tensor& pool, const torch::Tensor& q, const torch::Tenso
   TORCH_CHECK(pool.is_contiguous() && q.is_contiguous() && scales.is_contiguous(), name,
               ": contiguous tensors only");
   TORCH_CHECK(pool_ids.scalar_type() == at::kLong && wire_ids.scalar_type() == at::kLong &&
+                  pool_ids.is_contiguous() && wire_ids.is_contiguous() &&
                   pool_ids.numel() == wire_ids.numel(),
-              name, ": block ids are int64 lists of one length");
+              name, ": block ids are contiguous int64 lists of one length");
   Plan p{{pool.size(3), pool.size(4), pool.size(5)}, pool.size(0), pool_ids.numel(),
-         pool.size(1), q.size(1)};
-  const int64_t* a = pool_ids.data_ptr<int64_t>();
-  const int64_t* b = wire_ids.data_ptr<int64_t>();
+         pool.size(1), q.size(1), pool_ids.data_ptr<int64_t>(), wire_ids.data_ptr<int64_t>()};
   for (int64_t i = 0; i < p.n; ++i) {
-    TORCH_CHECK(a[i] >= 0 && a[i] < p.pool_blocks && b[i] >= 0 && b[i] < p.wire_blocks, name,
-                ": block id out of range");
+    TORCH_CHECK(p.pool_ids[i] >= 0 && p.pool_ids[i] < p.pool_blocks && p.wire_ids[i] >= 0 &&
+                    p.wire_ids[i] < p.wire_blocks,
+                name, ": block id out of range");
   }
   return p;
 }
@@ -161,21 +177,14 @@ void fp8_encode_blocks(torch::Tensor pool, torch::Tensor src_ids, torch::Tensor 
   src_ids = src_ids.contiguous();
   dst_ids = dst_ids.contiguous();
   const Plan p = check(pool, q, scales, src_ids, dst_ids, "fp8_encode_blocks");
-  const int64_t* src = src_ids.data_ptr<int64_t>();
-  const int64_t* dst = dst_ids.data_ptr<int64_t>();
   const int64_t slot = p.g.slot();
   by_dtype(pool, "fp8_encode_blocks", [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* x = pool.data_ptr<scalar_t>();
     uint8_t* out = q.data_ptr<uint8_t>();
     float* s = scales.data_ptr<float>();
-    at::parallel_for(0, p.layers * p.n * 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t kv = item % 2, i = item / 2 % p.n, layer = item / 2 / p.n;
-        const int64_t from = (layer * p.pool_blocks + src[i]) * 2 + kv;
-        const int64_t to = (layer * p.wire_blocks + dst[i]) * 2 + kv;
-        encode_one(x + from * slot, out + to * slot, s + to * p.g.heads, p.g);
-      }
+    p.for_each_slot([&](int64_t from, int64_t to) {
+      encode_one(x + from * slot, out + to * slot, s + to * p.g.heads, p.g);
     });
   });
 }
@@ -185,21 +194,14 @@ void fp8_decode_blocks(torch::Tensor q, torch::Tensor scales, torch::Tensor src_
   src_ids = src_ids.contiguous();
   dst_ids = dst_ids.contiguous();
   const Plan p = check(pool, q, scales, dst_ids, src_ids, "fp8_decode_blocks");
-  const int64_t* src = src_ids.data_ptr<int64_t>();
-  const int64_t* dst = dst_ids.data_ptr<int64_t>();
   const int64_t slot = p.g.slot();
   by_dtype(pool, "fp8_decode_blocks", [&](auto zero) {
     using scalar_t = decltype(zero);
     scalar_t* x = pool.data_ptr<scalar_t>();
     const uint8_t* in = q.data_ptr<uint8_t>();
     const float* s = scales.data_ptr<float>();
-    at::parallel_for(0, p.layers * p.n * 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t kv = item % 2, i = item / 2 % p.n, layer = item / 2 / p.n;
-        const int64_t from = (layer * p.wire_blocks + src[i]) * 2 + kv;
-        const int64_t to = (layer * p.pool_blocks + dst[i]) * 2 + kv;
-        decode_one(in + from * slot, s + from * p.g.heads, x + to * slot, p.g);
-      }
+    p.for_each_slot([&](int64_t to, int64_t from) {
+      decode_one(in + from * slot, s + from * p.g.heads, x + to * slot, p.g);
     });
   });
 }

@@ -36,12 +36,9 @@ def _from_e4m3(b):
 
 
 @triton.jit
-def _encode_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    src_ptr,
-    dst_ptr,
+def _slots(
+    pool_ids_ptr,
+    wire_ids_ptr,
     n,
     pool_blocks,
     wire_blocks,
@@ -52,36 +49,57 @@ def _encode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """This program's K or V of one layer and block pair: where it lies in the pool and in the
+    wire blocks (in slots of ``SLOT`` values), and the offsets and mask of its values."""
     item = tl.program_id(0).to(tl.int64)
     kv = item % 2
     i = item // 2 % n
     layer = item // 2 // n
-    src = tl.load(src_ptr + i)
-    dst = tl.load(dst_ptr + i)
+    pool_slot = (layer * pool_blocks + tl.load(pool_ids_ptr + i)) * 2 + kv
+    wire_slot = (layer * wire_blocks + tl.load(wire_ids_ptr + i)) * 2 + kv
     t = tl.arange(0, BLOCK_T)[:, None, None]
     h = tl.arange(0, BLOCK_H)[None, :, None]
     d = tl.arange(0, BLOCK_D)[None, None, :]
     mask = (t < SLOT // (HEADS * DIM)) & (h < HEADS) & (d < DIM)
-    offs = (t * HEADS + h) * DIM + d
-    x = tl.load(x_ptr + ((layer * pool_blocks + src) * 2 + kv) * SLOT + offs, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    return pool_slot, wire_slot, (t * HEADS + h) * DIM + d, mask
+
+
+@triton.jit
+def _encode_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    pool_ids_ptr,
+    wire_ids_ptr,
+    n,
+    pool_blocks,
+    wire_blocks,
+    SLOT: tl.constexpr,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    frm, to, offs, mask = _slots(
+        pool_ids_ptr, wire_ids_ptr, n, pool_blocks, wire_blocks,
+        SLOT, HEADS, DIM, BLOCK_T, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+    x = tl.load(x_ptr + frm * SLOT + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=0)  # [BLOCK_H]
     factor = tl.where(amax == 0.0, 1.0, tl.math.div_rn(448.0, amax))
-    y = x * factor[None, :, None]
-    bits = _to_e4m3(y)
-    to = (layer * wire_blocks + dst) * 2 + kv
-    tl.store(q_ptr + to * SLOT + offs, bits, mask=mask)
+    tl.store(q_ptr + to * SLOT + offs, _to_e4m3(x * factor[None, :, None]), mask=mask)
     heads = tl.arange(0, BLOCK_H)
     tl.store(s_ptr + to * HEADS + heads, amax / 448.0, mask=heads < HEADS)
 
 
 @triton.jit
 def _decode_kernel(
+    x_ptr,
     q_ptr,
     s_ptr,
-    x_ptr,
-    src_ptr,
-    dst_ptr,
+    pool_ids_ptr,
+    wire_ids_ptr,
     n,
     pool_blocks,
     wire_blocks,
@@ -92,39 +110,38 @@ def _decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    item = tl.program_id(0).to(tl.int64)
-    kv = item % 2
-    i = item // 2 % n
-    layer = item // 2 // n
-    src = tl.load(src_ptr + i)
-    dst = tl.load(dst_ptr + i)
-    t = tl.arange(0, BLOCK_T)[:, None, None]
-    h = tl.arange(0, BLOCK_H)[None, :, None]
-    d = tl.arange(0, BLOCK_D)[None, None, :]
-    mask = (t < SLOT // (HEADS * DIM)) & (h < HEADS) & (d < DIM)
-    offs = (t * HEADS + h) * DIM + d
-    frm = (layer * wire_blocks + src) * 2 + kv
+    to, frm, offs, mask = _slots(
+        pool_ids_ptr, wire_ids_ptr, n, pool_blocks, wire_blocks,
+        SLOT, HEADS, DIM, BLOCK_T, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
     bits = tl.load(q_ptr + frm * SLOT + offs, mask=mask, other=0)
     heads = tl.arange(0, BLOCK_H)
     scale = tl.load(s_ptr + frm * HEADS + heads, mask=heads < HEADS, other=0.0)
     x = _from_e4m3(bits) * scale[None, :, None]
-    to = (layer * pool_blocks + dst) * 2 + kv
     tl.store(x_ptr + to * SLOT + offs, x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def _meta(pool: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> dict[str, int]:
+def _launch(
+    kernel: triton.JITFunction,
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    pool_ids: torch.Tensor,
+    wire_ids: torch.Tensor,
+) -> None:
     check_blocks(pool, q, scales)
     if not (pool.is_contiguous() and q.is_contiguous() and scales.is_contiguous()):
         raise ValueError("fp8 blocks: contiguous tensors only")
     _, _, _, block_size, heads, dim = pool.shape
-    return {
-        "SLOT": block_size * heads * dim,
-        "HEADS": heads,
-        "DIM": dim,
-        "BLOCK_T": triton.next_power_of_2(block_size),
-        "BLOCK_H": triton.next_power_of_2(heads),
-        "BLOCK_D": triton.next_power_of_2(dim),
-    }
+    n = pool_ids.numel()
+    if n:
+        kernel[(pool.shape[0] * n * 2,)](
+            pool, q, scales, pool_ids.contiguous(), wire_ids.contiguous(), n,
+            pool.shape[1], q.shape[1],
+            SLOT=block_size * heads * dim, HEADS=heads, DIM=dim,
+            BLOCK_T=triton.next_power_of_2(block_size), BLOCK_H=triton.next_power_of_2(heads),
+            BLOCK_D=triton.next_power_of_2(dim),
+        )  # fmt: skip
 
 
 def encode_blocks(
@@ -134,12 +151,7 @@ def encode_blocks(
     scales: torch.Tensor,
     dst_ids: torch.Tensor,
 ) -> None:
-    meta = _meta(pool, q, scales)
-    n = src_ids.numel()
-    if n:
-        grid = (pool.shape[0] * n * 2,)
-        src, dst = src_ids.contiguous(), dst_ids.contiguous()
-        _encode_kernel[grid](pool, q, scales, src, dst, n, pool.shape[1], q.shape[1], **meta)
+    _launch(_encode_kernel, pool, q, scales, src_ids, dst_ids)
 
 
 def decode_blocks(
@@ -149,9 +161,4 @@ def decode_blocks(
     pool: torch.Tensor,
     dst_ids: torch.Tensor,
 ) -> None:
-    meta = _meta(pool, q, scales)
-    n = src_ids.numel()
-    if n:
-        grid = (pool.shape[0] * n * 2,)
-        src, dst = src_ids.contiguous(), dst_ids.contiguous()
-        _decode_kernel[grid](q, scales, pool, src, dst, n, pool.shape[1], q.shape[1], **meta)
+    _launch(_decode_kernel, pool, q, scales, dst_ids, src_ids)
