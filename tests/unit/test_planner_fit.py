@@ -90,5 +90,10 @@ def test_link_fit_reads_bench_link_rows_of_one_rate() -> None:
     fit = link_fit(rows, 1.0)
     assert fit.fixed_s == pytest.approx(1e-3, rel=1e-6)
     assert fit.bytes_per_s == pytest.approx(1.2e8, rel=1e-6)
-    with pytest.raises(ValueError, match="no link rows at rate 10"):
+    with pytest.raises(ValueError, match="no raw link rows at rate 10"):
         link_fit(rows, 10.0)
+    fp8 = [{**r, "encoding": "fp8", "seconds": 1e-3 + r["bytes"] / 2.4e8} for r in rows[:3]]
+    fit = link_fit(rows + fp8, 1.0, "fp8")
+    assert fit.bytes_per_s == pytest.approx(2.4e8, rel=1e-6)  # the KV's own bytes
+    with pytest.raises(ValueError, match=r"no fp8 link rows at rate None.*'1.0 fp8'"):
+        link_fit(rows + fp8, None, "fp8")
