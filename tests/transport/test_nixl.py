@@ -230,3 +230,44 @@ def test_fp8_handle_from_an_owner_without_fp8_blocks_is_refused(owner, reader):
 def test_unknown_transfer_dtype_is_refused():
     with pytest.raises(ValueError, match="transfer_dtype"):
         NixlTransport(KEY, transfer_dtype="int4", **LOOPBACK)
+
+
+def test_layers_fetched_one_range_at_a_time_equal_the_whole(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    ids = src.allocator.allocate(3)
+    handle = own.export("req", ids, num_tokens=10, streamed=True)
+    for layers in (range(0, 1), range(1, 3)):
+        own.publish_layers(ids, layers)
+        rd.fetch_layers(handle, [7, 2, 3], layers)
+        assert torch.equal(dst.tensor[layers.start : layers.stop, [7, 2, 3]],
+                           src.tensor[layers.start : layers.stop, ids])  # fmt: skip
+        assert torch.all(dst.tensor[layers.stop :] == -1)
+    stats = rd.stats()
+    assert stats["fetches"] == 1 and stats["fetched_layers"] == 3
+    assert stats["fetched_bytes"] == 3 * LAYOUT.block_bytes
+    with pytest.raises(ValueError, match="layers"):
+        rd.fetch_layers(handle, [7, 2, 3], range(2, 4))
+    rd.release(handle)
+    wait_for(lambda: src.allocator.num_free == 12)
+
+
+def test_streamed_fp8_layers_are_encoded_as_published(reader):
+    layout = replace(LAYOUT, head_dim=16)
+    with NixlTransport(KEY, transfer_dtype="fp8", **LOOPBACK) as own:
+        src = own.create_pool(layout, 6)
+        own.register(src)
+        with NixlTransport(KEY, **LOOPBACK) as rd:
+            dst = KVPool(layout, 6)
+            rd.register(dst)
+            ids = src.allocator.allocate(2)
+            handle = own.export("req", ids, num_tokens=8, streamed=True)
+            whole = own.export("other", src.allocator.allocate(2), num_tokens=8)
+            assert decode_handle(handle, KEY).encoding == "fp8"
+            # Written after the export: what arrives is what the layer held when published.
+            src.tensor.copy_(torch.randn(src.tensor.shape))
+            own.publish_layers(ids, range(0, 3))
+            rd.fetch_layers(handle, [4, 5], range(0, 3))
+            assert torch.allclose(dst.tensor[:, [4, 5]], src.tensor[:, ids], rtol=0.07, atol=1e-3)
+            for h in (handle, whole):
+                rd.release(h)
+            wait_for(lambda: src.allocator.num_free == 6)

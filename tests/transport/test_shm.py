@@ -235,3 +235,16 @@ def test_release_checks_the_mac_but_not_expiry(owner, reader):
         rd.release(encode_handle(h, generate_key()))
     rd.release(encode_handle(replace(h, expiry=time.time() - 5), KEY))
     wait_for(lambda: own.stats()["released"] == 1)
+
+
+def test_layers_fetched_one_range_at_a_time_equal_the_whole(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    ids = src.allocator.allocate(2)
+    handle = own.export("req", ids, num_tokens=5, streamed=True)
+    layers = dst.layout.num_layers
+    for layer in range(layers):
+        own.publish_layers(ids, range(layer, layer + 1))
+        rd.fetch_layers(handle, [3, 1], range(layer, layer + 1))
+    assert torch.equal(dst.tensor[:, [3, 1]], src.tensor[:, ids])
+    assert rd.stats()["fetched_layers"] == layers and rd.stats()["fetches"] == 1
+    rd.release(handle)

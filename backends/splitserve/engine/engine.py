@@ -13,7 +13,7 @@ from splitserve.engine.request import Request, Status
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import sample
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import KVSource, Scheduler, SchedulerLimits
+from splitserve.engine.scheduler import KVSource, Scheduler, SchedulerLimits, StreamedSource
 from splitserve.engine.validate import validate_prompt
 from splitserve.kv.pool import KVPool
 from splitserve.model.llama import LlamaForCausalLM
@@ -90,6 +90,42 @@ class Engine:
             source.discard()
         else:
             self.scheduler.add_prefilled(req, source)
+        return out
+
+    def add_streaming(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        source: StreamedSource,
+    ) -> None:
+        """Admit a request whose prompt another engine is still computing: ``source`` pulls
+        its KV as it is written; ``first_token`` delivers the token that pass samples. Needs a
+        puller. If the request ends before its pull starts, ``source.discard`` is called."""
+        if self.scheduler.puller is None:
+            source.discard()
+            raise ValueError("streamed KV needs an engine with a puller")
+        try:
+            req = self._new_state(request_id, prompt_ids, params)
+        except ValueError:
+            source.discard()
+            raise
+        req.seed = seed
+        req.num_computed = len(prompt_ids)
+        self.scheduler.add_prefilled(req, source)
+
+    def first_token(self, request_id: str, token: int) -> RequestOutput | None:
+        """The first token of a streamed request, sampled by the pass that computed its prompt;
+        None if the request is gone or already has one (its prompt was recomputed here)."""
+        state = self.states.get(request_id)
+        if state is None or state.req.output_ids or not self.scheduler.is_handed_over(state.req):
+            return None
+        state.append(token)
+        out = state.take()
+        if state.req.finished:
+            self.scheduler.remove(state.req)
+            del self.states[request_id]
         return out
 
     def abort(self, request_id: str) -> bool:

@@ -6,7 +6,7 @@ lease) and frees them once decode has pulled them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from splitserve.engine.request import Request
 from splitserve.engine.runner import ModelRunner
@@ -38,6 +38,17 @@ class PrefillEngine:
         On success each ``req.block_ids`` holds its prompt's KV (owned by the caller now).
         Raises OutOfBlocks, with nothing allocated, when the pool cannot hold them all.
         """
+        self.allocate(reqs)
+        try:
+            return self.run(reqs)
+        except BaseException:
+            for req in reqs:
+                self.free(req)
+            raise
+
+    def allocate(self, reqs: Sequence[Request]) -> None:
+        """Give each request the blocks of its prompt (the caller's until it frees or leases
+        them); OutOfBlocks, with nothing allocated, if they do not all fit."""
         for req in reqs:
             self.check(req)
         need = sum(self.blocks_for(r) for r in reqs)
@@ -45,12 +56,13 @@ class PrefillEngine:
             raise OutOfBlocks(f"prefill needs {need} blocks, {self.allocator.num_free} free")
         for req in reqs:
             req.block_ids = self.allocator.allocate(self.blocks_for(req))
-        try:
-            logits = self.runner.prefill([(r, len(r.prompt_ids)) for r in reqs])
-        except BaseException:
-            for req in reqs:
-                self.free(req)
-            raise
+
+    def run(
+        self, reqs: Sequence[Request], written: Callable[[int], None] | None = None
+    ) -> list[int]:
+        """The pass over allocated requests; their first tokens. ``written(layer)`` runs as each
+        layer's KV is in their blocks. Frees nothing if it raises."""
+        logits = self.runner.prefill([(r, len(r.prompt_ids)) for r in reqs], written)
         suppress = [suppressed_tokens(r.params, 0, self.eos_ids, self.vocab_size) for r in reqs]
         return sample(logits, reqs, suppress)
 

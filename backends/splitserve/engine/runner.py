@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,9 +55,14 @@ class ModelRunner:
             req.num_computed = req.num_tokens
         return out
 
-    def prefill(self, chunks: Sequence[tuple[Request, int]]) -> torch.Tensor:
+    def prefill(
+        self,
+        chunks: Sequence[tuple[Request, int]],
+        written: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Computes ``n`` uncached tokens of each request; logits ``[B, vocab]`` at each chunk's
-        last token (meaningful only for chunks that reach the request's end)."""
+        last token (meaningful only for chunks that reach the request's end). ``written(layer)``
+        as each layer's KV is in the pool (``LlamaForCausalLM.forward``)."""
         dev = self.device
         ids: list[int] = []
         positions: list[int] = []
@@ -85,7 +90,7 @@ class ModelRunner:
             context_lens=context,
             seq_block_tables=[_long(r.block_ids, dev) for r, _ in chunks],
         )
-        out = self.model(batch, self.pool.tensor)
+        out = self.model(batch, self.pool.tensor, written)
         for req, n in chunks:
             req.num_computed += n
         return out

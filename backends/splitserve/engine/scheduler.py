@@ -14,15 +14,21 @@ in ``pulling`` with its blocks reserved while the batch keeps stepping, and join
 ``schedule`` after its load ended. A pull over a network takes up to a transfer deadline; on the
 engine thread it would stall every running stream that long. A request dropped mid-pull keeps
 its blocks until the pull ends (its bytes may still be landing).
+
+A streamed source (``StreamedSource``) is handed over while its prompt pass still runs: it pulls
+layers as they are written, on the puller, and its request has no first token yet. It joins
+the batch once its pull ended and its first token arrived (``Engine.first_token``); removed
+mid-pull, the source is cancelled (no further read) and the blocks wait for its last read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator, BlocksStillWritten
@@ -38,6 +44,21 @@ class KVSource(Protocol):
 
     def discard(self) -> None:
         """The request ended before loading: let the owner free its copy."""
+
+
+@runtime_checkable
+class StreamedSource(Protocol):
+    """KV still being written elsewhere, pulled as it is (``serving.layer_stream``)."""
+
+    def start(self, dst_block_ids: list[int], puller: Executor) -> Future[None]:
+        """Pull into these local blocks on ``puller``; the future ends when all are in (then
+        the owner may free its copy) or with the error that stopped the pull."""
+
+    def cancel(self) -> None:
+        """The request ended mid-pull: post no further read."""
+
+    def discard(self) -> None:
+        """The request ended before its pull started: let the owner free its copy."""
 
 
 @dataclass
@@ -70,6 +91,8 @@ class SchedulerLimits:
 
 
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+TOKEN_WAIT_S = 0.001
+"""The pause of a step whose only work is streamed requests waiting for their first token."""
 
 
 class Scheduler:
@@ -80,10 +103,10 @@ class Scheduler:
         self.limits = limits
         self.puller = puller
         self.waiting: deque[Request] = deque()
-        self.arrived: deque[tuple[Request, KVSource]] = deque()
-        self.pulling: list[tuple[Request, Future[None]]] = []
+        self.arrived: deque[tuple[Request, KVSource | StreamedSource]] = deque()
+        self.pulling: list[tuple[Request, Future[None], KVSource | StreamedSource]] = []
         """Handed-over requests whose KV the puller is loading into their reserved blocks."""
-        self._dropped: list[tuple[Request, Future[None]]] = []
+        self._dropped: list[tuple[Request, Future[None], KVSource | StreamedSource]] = []
         """Requests removed mid-pull: their blocks are freed once the pull ends."""
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -102,17 +125,28 @@ class Scheduler:
         return bool(self.pulling or self._dropped)
 
     def wait_for_pulls(self, timeout_s: float) -> None:
-        """Block until a load ends or ``timeout_s`` passed (a step with nothing else to do)."""
-        futures = [f for _, f in self.pulling + self._dropped]
+        """Block until a load ends or ``timeout_s`` passed (a step with nothing else to do);
+        with every load ended (streamed requests waiting for their first token), a short
+        pause."""
+        futures = [f for _, f, _ in self.pulling + self._dropped if not f.done()]
         if futures:
             wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        else:
+            time.sleep(min(timeout_s, TOKEN_WAIT_S))
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def add_prefilled(self, req: Request, source: KVSource) -> None:
-        """``req`` has ``num_computed`` prompt tokens cached elsewhere and one sampled token."""
+    def add_prefilled(self, req: Request, source: KVSource | StreamedSource) -> None:
+        """``req`` has ``num_computed`` prompt tokens cached elsewhere and one sampled token
+        (a streamed source: none yet)."""
+        if isinstance(source, StreamedSource) and self.puller is None:
+            raise ValueError("a streamed KV source needs a scheduler with a puller")
         self.arrived.append((req, source))
+
+    def is_handed_over(self, req: Request) -> bool:
+        """``req`` waits for its KV from elsewhere (queued for, or in, its pull)."""
+        return any(r is req for r, _ in self.arrived) or any(p[0] is req for p in self.pulling)
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.limits.block_size) - len(req.block_ids))
@@ -134,6 +168,8 @@ class Scheduler:
         elif (pull := next((p for p in self.pulling if p[0] is req), None)) is not None:
             self.pulling.remove(pull)
             self._dropped.append(pull)
+            if isinstance(pull[2], StreamedSource):
+                pull[2].cancel()
             return
         else:
             for item in self.arrived:
@@ -183,8 +219,12 @@ class Scheduler:
                 break
             self.arrived.popleft()
             dst = req.block_ids[: -(-req.num_computed // self.limits.block_size)]
+            if isinstance(source, StreamedSource):
+                assert self.puller is not None  # add_prefilled checked it
+                self.pulling.append((req, source.start(dst, self.puller), source))
+                continue
             if self.puller is not None:
-                self.pulling.append((req, self.puller.submit(source.load, dst)))
+                self.pulling.append((req, self.puller.submit(source.load, dst), source))
                 continue
             try:
                 source.load(dst)
@@ -195,9 +235,11 @@ class Scheduler:
 
     def _settle_pulls(self, out: SchedulerOutput) -> None:
         for item in [p for p in self.pulling if p[1].done()]:
-            self.pulling.remove(item)
-            req, done = item
+            req, done, _ = item
             exc = done.exception()
+            if exc is None and not req.output_ids:
+                continue  # streamed: its first token has not arrived yet
+            self.pulling.remove(item)
             if exc is not None:
                 self._load_failed(req, exc)
             else:

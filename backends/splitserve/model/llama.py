@@ -6,7 +6,7 @@ into it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast, overload
 
 import torch
@@ -59,9 +59,11 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         batch: ForwardBatch,
         cache: torch.Tensor,
+        written: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(residual, mlp_out)``: ``pending`` is the previous layer's MLP output, added to the
-        residual stream ``h`` by the norm that reads it (None before the first layer)."""
+        residual stream ``h`` by the norm that reads it (None before the first layer).
+        ``written(index)`` runs once this layer's KV of the batch is in ``cache``."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         if pending is None:
@@ -73,6 +75,8 @@ class DecoderLayer(nn.Module):
         q = kernels.rotary_write_kv(
             qkv, cos, sin, cfg.num_heads, cache, self.index, batch.slot_blocks, batch.slot_offsets
         )
+        if written is not None:
+            written(self.index)
         attn = self._attention(q, batch, cache)
         o = linear(attn.reshape(attn.shape[0], -1), self.o_proj, None, packed.get("o_proj"))
         x, h = kernels.add_rms_norm(o, h, self.post_attention_layernorm, eps)
@@ -149,14 +153,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = pack(self.lm_head)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: torch.Tensor,
+        written: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[len(batch.logits_indices), vocab]`` in the model's dtype (the sampler widens
-        them only where it needs to); writes the batch's KV."""
+        them only where it needs to); writes the batch's KV, calling ``written(layer)`` as each
+        layer's is in place (a prompt pass that streams its KV by layer)."""
         h = F.embedding(batch.input_ids, self.embed_tokens)
         cos, sin = self.rotary.tables(batch.positions, self.dtype)
         pending = None
         for layer in self.layers:
-            h, pending = layer(h, pending, cos, sin, batch, cache)
+            h, pending = layer(h, pending, cos, sin, batch, cache, written)
         assert pending is not None, "a model has at least one layer"
         rows = batch.logits_indices
         x, _ = kernels.add_rms_norm(pending[rows], h[rows], self.norm, self.cfg.rms_norm_eps)

@@ -39,13 +39,22 @@ class KVTransport(ABC):
         peers, and the instance starts serving release messages for it."""
 
     @abstractmethod
-    def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
+    def export(
+        self, req_id: str, block_ids: list[int], num_tokens: int, *, streamed: bool = False
+    ) -> bytes:
         """Lease ``block_ids`` (holding ``num_tokens`` tokens) of the registered pool and
         return their handle.
 
         The caller hands the blocks over: they return to the pool's allocator exactly once,
-        when the reader releases the handle or the lease expires.
+        when the reader releases the handle or the lease expires. ``streamed``: the blocks are
+        still being written (a prompt pass exports before it runs); the caller announces each
+        layer with ``publish_layers`` once written, and readers fetch only announced layers.
         """
+
+    @abstractmethod
+    def publish_layers(self, block_ids: list[int], layers: range) -> None:
+        """``layers`` of exported ``block_ids`` are written: prepare them for readers (encode
+        them, where the transport's encoding is not raw)."""
 
     @abstractmethod
     def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
@@ -56,6 +65,11 @@ class KVTransport(ABC):
         handle's layout differs from the local pool's or the destination ids do not fit.
         Returns once the copy is complete; the caller then calls ``release``.
         """
+
+    @abstractmethod
+    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
+        """``fetch`` of ``layers`` only (a step-1 range of the layout's layers): how a reader
+        pulls a streamed handle's layers as they are announced."""
 
     @abstractmethod
     def release(self, handle: bytes) -> None:

@@ -287,14 +287,19 @@ class CudaIpcTransport(MappedTransport):
             )
         super().register(pool)
 
-    def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
+    def export(
+        self, req_id: str, block_ids: list[int], num_tokens: int, *, streamed: bool = False
+    ) -> bytes:
+        if streamed:
+            # Readers wait for the one event recorded here: it cannot cover later layers.
+            raise ValueError("the cuda_ipc transport does not stream layers")
         if self._export is not None and self._pool is self._export.pool:
             stream = torch.cuda.current_stream(self._export.device)
             with on_device(self._export.device):
                 call("EventRecord", self._export.event, stream.cuda_stream)
         return super().export(req_id, block_ids, num_tokens)
 
-    def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
+    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
         """The base class checks the handle and copies one strided slice per contiguous run; here
         those copies go to a stream of this transport's that first waits for the local compute
         stream and (in ``_open``) for the owner's event, and is synchronized before returning."""
@@ -305,7 +310,7 @@ class CudaIpcTransport(MappedTransport):
             self._stream = torch.cuda.Stream(device=device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            super().fetch(handle, dst_block_ids)
+            super().fetch_layers(handle, dst_block_ids, layers)
         self._stream.synchronize()
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:

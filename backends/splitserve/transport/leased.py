@@ -80,7 +80,7 @@ class LeasedTransport(KVTransport):
         self._released_lock = threading.Lock()
         self._closed = False
         self._fetch_counts = dict.fromkeys(
-            ("fetches", "fetched_bytes", "fetched_fp8_bytes", "fetch_ns"), 0
+            ("fetches", "fetched_layers", "fetched_bytes", "fetched_fp8_bytes", "fetch_ns"), 0
         )
         cleanup.close_at_exit(self)
 
@@ -89,11 +89,11 @@ class LeasedTransport(KVTransport):
         """The pool id peers open ``pool`` by, or None if ``pool`` is not in openable memory."""
 
     @abstractmethod
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
-        """Copy the checked handle's blocks into ``dst_block_ids`` of the registered pool and
-        return the bytes moved (the encoded size where the handle's ``encoding`` is not raw);
-        raises InvalidHandle (nothing read) if the owner's pool cannot be reached or does not
-        match the handle. Called after the PULL notice went to the owner."""
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int], layers: range) -> int:
+        """Copy ``layers`` of the checked handle's blocks into ``dst_block_ids`` of the
+        registered pool and return the bytes moved (the encoded size where the handle's
+        ``encoding`` is not raw); raises InvalidHandle (nothing read) if the owner's pool cannot
+        be reached or does not match the handle. Sends the owner the PULL notice first."""
 
     @abstractmethod
     def _close_memory(self) -> None:
@@ -108,9 +108,12 @@ class LeasedTransport(KVTransport):
         """The handle's ``peer`` field: what else a reader needs to reach this owner."""
         return ""
 
-    def _encode(self, block_ids: list[int]) -> str:
-        """Prepare leased blocks for readers; the handle's ``encoding`` (``raw``: as they are)."""
+    def _encoding(self) -> str:
+        """The ``encoding`` of this owner's handles: ``raw`` (blocks travel as they are)."""
         return "raw"
+
+    def _encode(self, block_ids: list[int], layers: range) -> None:
+        """Prepare ``layers`` of leased blocks for readers in the handle's encoding."""
 
     def _pulled(self) -> None:
         """A reader announced it is copying one of this owner's leases (the listener's thread)."""
@@ -140,7 +143,9 @@ class LeasedTransport(KVTransport):
             if self._listener.path is not None:
                 cleanup.track(self._listener.path)
 
-    def export(self, req_id: str, block_ids: list[int], num_tokens: int) -> bytes:
+    def export(
+        self, req_id: str, block_ids: list[int], num_tokens: int, *, streamed: bool = False
+    ) -> bytes:
         if (
             self._leases is None
             or self._listener is None
@@ -153,7 +158,8 @@ class LeasedTransport(KVTransport):
             raise ValueError(f"block ids out of range [0, {pool.num_blocks}): {block_ids}")
         if not 0 < num_tokens <= len(block_ids) * pool.layout.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit {len(block_ids)} blocks")
-        encoding = self._encode(block_ids)
+        if not streamed:
+            self._encode(block_ids, range(pool.layout.num_layers))
         lease = self._leases.grant(block_ids, num_tokens, self._lease_ttl_s, req_id)
         handle = KVHandle(
             owner=self._listener.address,
@@ -165,11 +171,21 @@ class LeasedTransport(KVTransport):
             num_tokens=num_tokens,
             expiry=lease.expiry,
             peer=self._peer_field(),
-            encoding=encoding,
+            encoding=self._encoding(),
         )
         return encode_handle(handle, self._key)
 
+    def publish_layers(self, block_ids: list[int], layers: range) -> None:
+        if self._pool is None or not 0 <= layers.start < layers.stop <= self._pool.layout.num_layers:
+            raise ValueError(f"layers {layers} are not a range of the registered pool's layers")
+        self._encode(block_ids, layers)
+
     def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
+        if self._pool is None:
+            raise RuntimeError("fetch needs a registered pool")
+        self.fetch_layers(handle, dst_block_ids, range(self._pool.layout.num_layers))
+
+    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
         if self._pool is None:
             raise RuntimeError("fetch needs a registered pool")
         pool = self._pool
@@ -183,13 +199,16 @@ class LeasedTransport(KVTransport):
             raise ValueError(f"need {len(h.block_ids)} distinct destination blocks")
         if any(not 0 <= b < pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination ids out of range [0, {pool.num_blocks})")
+        if not 0 <= layers.start < layers.stop <= pool.layout.num_layers or layers.step != 1:
+            raise ValueError(f"layers {layers} are not a range of this pool's layers")
         started = time.perf_counter_ns()
-        moved = self._copy_in(h, dst_block_ids)
+        moved = self._copy_in(h, dst_block_ids, layers)
         self._fetch_counts["fetch_ns"] += time.perf_counter_ns() - started
         self._fetch_counts["fetched_bytes"] += moved
         if h.encoding != "raw":
             self._fetch_counts[f"fetched_{h.encoding}_bytes"] += moved
-        self._fetch_counts["fetches"] += 1
+        self._fetch_counts["fetches"] += layers.stop == pool.layout.num_layers
+        self._fetch_counts["fetched_layers"] += len(layers)
 
     def release(self, handle: bytes) -> None:
         h = self._verify(handle, margin_s=None)
@@ -246,11 +265,13 @@ class MappedTransport(LeasedTransport):
         """The owner's pool tensor, opened once per pool id and cached; raises InvalidHandle
         if it cannot be opened or does not match the handle's layout."""
 
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int], layers: range) -> int:
         assert self._pool is not None  # fetch checked it
         src = self._open(handle)
         if max(handle.block_ids) >= src.shape[1]:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {src.shape[1]}")
         self._notify(handle, PULL)
-        copy_blocks(src, handle.block_ids, self._pool.tensor, dst_block_ids)
-        return len(dst_block_ids) * self._pool.layout.block_bytes
+        span = slice(layers.start, layers.stop)
+        copy_blocks(src[span], handle.block_ids, self._pool.tensor[span], dst_block_ids)
+        layout = self._pool.layout
+        return len(dst_block_ids) * layout.block_bytes // layout.num_layers * len(layers)

@@ -258,12 +258,16 @@ class NixlTransport(LeasedTransport):
         if self._progress is not None:
             self._progress.wake()
 
-    def _encode(self, block_ids: list[int]) -> str:
+    def _encoding(self) -> str:
+        return "fp8" if self._wire is not None and self._own is not None else "raw"
+
+    def _encode(self, block_ids: list[int], layers: range) -> None:
         if self._wire is None or self._own is None:
-            return "raw"
+            return
         ids = torch.tensor(block_ids, dtype=torch.long)
-        kernels.fp8_encode_blocks(self._own[1].tensor, ids, self._wire.q, self._wire.scales, ids)
-        return "fp8"
+        span = slice(layers.start, layers.stop)
+        pool, q, scales = self._own[1].tensor[span], self._wire.q[span], self._wire.scales[span]
+        kernels.fp8_encode_blocks(pool, ids, q, scales, ids)
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:
         return self._own[0] if self._own is not None and self._own[1] is pool else None
@@ -290,14 +294,16 @@ class NixlTransport(LeasedTransport):
             self._peers[h.pool_id] = peer
         return peer
 
-    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int]) -> int:
+    def _copy_in(self, handle: KVHandle, dst_block_ids: list[int], layers: range) -> int:
         assert self._pool is not None  # fetch checked it
         self.reap()
         layout = self._pool.layout
+        span = slice(layers.start, layers.stop)
         if self._own is not None and handle.pool_id == self._own[0]:
             self._notify(handle, PULL)
-            copy_blocks(self._own[1].tensor, handle.block_ids, self._pool.tensor, dst_block_ids)
-            return len(dst_block_ids) * layout.block_bytes
+            own = self._own[1].tensor[span]
+            copy_blocks(own, handle.block_ids, self._pool.tensor[span], dst_block_ids)
+            return len(dst_block_ids) * layout.block_bytes // layout.num_layers * len(layers)
         peer = self._peer(handle)
         if max(handle.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {peer.num_blocks}")
@@ -317,13 +323,15 @@ class NixlTransport(LeasedTransport):
             regions = [
                 (self._pool.tensor.data_ptr(), peer.base, layout.block_bytes // layout.num_layers)
             ]
-        layers, own_blocks = layout.num_layers, self._pool.num_blocks
+        n, own_blocks, first = len(layers), self._pool.num_blocks, layers.start
         local = np.concatenate(
-            [descriptor_table(base, layers, own_blocks, runs[:, 1:], size, device_id)
+            [descriptor_table(base + first * own_blocks * size, n, own_blocks, runs[:, 1:], size,
+                              device_id)
              for base, _, size in regions]
         )  # fmt: skip
         remote = np.concatenate(
-            [descriptor_table(base, layers, peer.num_blocks, runs[:, [0, 2]], size, peer.device_id)
+            [descriptor_table(base + first * peer.num_blocks * size, n, peer.num_blocks,
+                              runs[:, [0, 2]], size, peer.device_id)
              for _, base, size in regions]
         )  # fmt: skip
         self._notify(handle, PULL)
@@ -331,7 +339,8 @@ class NixlTransport(LeasedTransport):
         if handle.encoding == "fp8":
             assert self._wire is not None
             ids = torch.tensor(dst_block_ids, dtype=torch.long)
-            kernels.fp8_decode_blocks(self._wire.q, self._wire.scales, ids, self._pool.tensor, ids)
+            q, scales = self._wire.q[span], self._wire.scales[span]
+            kernels.fp8_decode_blocks(q, scales, ids, self._pool.tensor[span], ids)
         return int(local[:, 1].sum())
 
     def _reader_wire(self) -> _Wire:
