@@ -97,6 +97,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         prefill_dns=args.prefill_dns,
         transport=args.transport,
         kv_transfer_dtype=args.kv_transfer_dtype,
+        kv_stream_layers=args.kv_stream_layers,
         key_file=args.key_file,
         advertise_host=args.advertise_host,
         **given,
@@ -164,6 +165,14 @@ def add_split_arguments(s: argparse.ArgumentParser) -> None:
         help="nixl: how KV blocks cross the network: auto (the KV cache dtype, default) or fp8 "
         "(e4m3 with a scale per block and head: half of bfloat16's bytes, lossy); set on the "
         "prefill servers",
+    )
+    s.add_argument(
+        "--kv-stream-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--role prefill: answer with the KV handle before the prompt pass and announce each "
+        "layer as it is written, so decode servers pull the KV while the pass runs (default with "
+        "nixl); --no-kv-stream-layers: the handle after the pass",
     )
     s.add_argument(
         "--key-file",

@@ -74,6 +74,9 @@ class FakeClient:
             raise failure
         return Result(self.server)
 
+    async def get_model_config(self, model_name: str, **kwargs: Any) -> dict[str, Any]:
+        return {"config": {"name": model_name}}  # not decoupled: calls go to ``infer``
+
     async def is_server_ready(self, client_timeout: float | None = None) -> bool:
         if self.server in self.fleet.errors:
             raise error("StatusCode.UNAVAILABLE", "down")

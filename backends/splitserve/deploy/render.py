@@ -56,6 +56,7 @@ def render(spec: DeploymentSpec, out_dir: Path, templates: Path | None = None) -
             parameters=parameters(spec, model, out_dir.resolve()),
             max_batch_size=spec.prefill_max_batch_size,
             queue_delay_us=spec.prefill_queue_delay_us,
+            decoupled=str(spec.serving_config(model, out_dir).kv_stream_layers).lower(),
         )
         dst = out_dir / model
         (dst / "1").mkdir(parents=True, exist_ok=True)

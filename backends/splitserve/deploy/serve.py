@@ -67,6 +67,7 @@ class ServeOptions:
     prefill_dns: str | None = None
     transport: str | None = None
     kv_transfer_dtype: str | None = None
+    kv_stream_layers: bool | None = None
     key_file: str | None = None
     advertise_host: str | None = None
 
@@ -82,6 +83,8 @@ def _split_settings(opts: ServeOptions) -> tuple[dict[str, Any], dict[str, Any]]
         shared["transport"] = opts.transport
     if opts.kv_transfer_dtype is not None:
         shared["kv_transfer_dtype"] = opts.kv_transfer_dtype
+    if opts.kv_stream_layers is not None:
+        shared["kv_stream_layers"] = opts.kv_stream_layers
     if opts.advertise_host is not None:
         shared["advertise_host"] = opts.advertise_host
     decode: dict[str, Any] = {}

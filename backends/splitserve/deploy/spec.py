@@ -203,6 +203,15 @@ class DeploymentSpec:
         merged = {**self.settings, **spec.settings}
         if role in ("prefill", "decode") and self.server_role != "both":
             merged.setdefault("transport", SPLIT_TRANSPORT)
+        if role == "prefill" and self.server_role == "prefill":
+            if merged.get("transport") == "nixl":
+                # Decode servers elsewhere pull each layer while the pass runs.
+                merged.setdefault("kv_stream_layers", True)
+        elif merged.get("kv_stream_layers"):
+            raise ValueError(
+                "kv_stream_layers applies to prefill servers (--role prefill): BLS within one "
+                "server takes the handle after the pass"
+            )
         if role == "decode" and self.server_role == "decode":
             # A decode server's cores are sized for decode: a prompt pass there would stall
             # every running stream, so a lost handoff ends its request (UNAVAILABLE).

@@ -18,6 +18,10 @@ REQUEST_ID = "request_id"
 # prefill outputs
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"
+LAYERS_READY = "layers_ready"
+"""Of a prefill that streams its KV by layer (a decoupled model): how many layers of the
+prompt's KV are written. The first response carries the handle and 0; the last (FINAL) the
+first token and every layer."""
 
 # request parameter of every call to prefill
 AUTH = "splitserve_auth"

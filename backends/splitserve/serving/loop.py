@@ -19,7 +19,7 @@ from typing import Protocol
 from splitserve.engine.engine import Engine
 from splitserve.engine.output import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import KVSource
+from splitserve.engine.scheduler import KVSource, StreamedSource
 from splitserve.serving.heap import HeapTrimmer
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,46 @@ class EngineLoop:
             sink.send(out)
 
         self._submit(command, sink)
+
+    def add_streaming(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        source: StreamedSource,
+        sink: Sink,
+        deadline: float | None = None,
+    ) -> None:
+        """A request whose prompt pass is still running elsewhere: ``source`` pulls its KV as
+        layers are written, ``first_token`` delivers its first token."""
+
+        def command(engine: Engine) -> None:
+            engine.add_streaming(rid, prompt_ids, params, seed, source)
+            self._track(rid, sink, deadline)
+
+        self._submit(command, sink)
+
+    def first_token(self, rid: str, token: int) -> None:
+        """The first token of a streamed request: to its client at once (its pull may still
+        be running)."""
+
+        def command(engine: Engine) -> None:
+            out = engine.first_token(rid, token)
+            if out is not None:
+                self._dispatch([out])
+
+        self._inbox.put(command)
+
+    def fail_request(self, rid: str, message: str, kind: str) -> None:
+        """End ``rid`` with an error if it is still running here (else nothing)."""
+
+        def command(engine: Engine) -> None:
+            if rid in self._sinks:
+                engine.abort(rid)
+                self._untrack(rid).fail(message, kind)
+
+        self._inbox.put(command)
 
     def _track(self, rid: str, sink: Sink, deadline: float | None) -> None:
         self._sinks[rid] = sink

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,37 @@ class PrefillReply:
     """The lease on the prompt's KV blocks; whoever gets it must release it."""
     server: str
     """Who prefilled: ``"local"`` over BLS, else the server's ``host:port``."""
+    streamed: bool = False
+    """The handle went to the call's ``StreamListener`` before the pass ended (the listener's
+    owner pulls and releases it)."""
+
+
+class StreamListener(Protocol):
+    """Hears a prefill that streams its KV by layer (``bls_contract.LAYERS_READY``); called on
+    the client's event loop."""
+
+    def handle(self, kv_handle: bytes) -> None:
+        """The lease on the prompt's KV, before the pass wrote any of it: from here on the
+        listener owns it, and the call is no longer retried elsewhere."""
+
+    def layers(self, ready: int) -> None:
+        """The first ``ready`` layers of the KV are written."""
 
 
 class PrefillFailed(RuntimeError):
     """A prefill call that produced no reply."""
 
-    def __init__(self, message: str, *, pool_full: bool = False, retryable: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        pool_full: bool = False,
+        retryable: bool = False,
+        streamed: bool = False,
+    ) -> None:
         super().__init__(message)
+        self.streamed = streamed
+        """The handle had gone to the listener: the pass failed midway (never retried)."""
         self.pool_full = pool_full
         """Prefill said its KV pool is full now: the caller backs off and calls again."""
         self.retryable = retryable
@@ -45,11 +70,15 @@ class PrefillClient(ABC):
     """Calls prefill for ``llm``. Used from one event loop (the model's)."""
 
     @abstractmethod
-    async def prefill(self, call: PrefillCall) -> PrefillReply:
+    async def prefill(
+        self, call: PrefillCall, listener: StreamListener | None = None
+    ) -> PrefillReply:
         """The first token and KV handle of ``call``; PrefillFailed if there is none.
 
-        Cancelling the awaiting task cancels the call where the transport allows it (gRPC
-        does, BLS does not); a reply that arrives anyway is the caller's to release."""
+        A prefill that streams its KV by layer gives ``listener`` the handle early and each
+        layer count (the reply then says ``streamed``); others ignore it. Cancelling the
+        awaiting task cancels the call where the transport allows it (gRPC does, BLS does
+        not); a reply that arrives anyway is the caller's to release."""
 
     @abstractmethod
     async def close(self) -> None:

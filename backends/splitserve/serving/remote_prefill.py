@@ -11,6 +11,12 @@ at once instead of when its backoff ends) and closes the connections of servers 
 
 Cancelling the task that awaits ``prefill`` cancels the gRPC call: grpc.aio cancels an RPC whose
 awaiting task is cancelled, and tritonserver then cancels the request.
+
+A prefill server whose ``prefill`` is decoupled streams its KV by layer (``kv_stream_layers``):
+the call is then a ``stream_infer`` whose first response gives the handle (to the call's
+listener), later ones the written-layer counts, the last the first token. Which kind a server
+is, is read from its model config at the first call (again after it failed). Once the handle
+went to the listener the call is not retried: a failure then ends the request.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
@@ -33,6 +40,7 @@ from splitserve.serving.prefill_client import (
     PrefillClient,
     PrefillFailed,
     PrefillReply,
+    StreamListener,
 )
 from splitserve.serving.prefill_discovery import Discovery, discovery_from
 from splitserve.serving.prefill_router import PrefillRouter
@@ -113,6 +121,11 @@ def prefill_inputs(call: PrefillCall) -> list[Any]:
     return inputs
 
 
+def _value(result: Any, name: str) -> int | None:
+    array = result.as_numpy(name)
+    return None if array is None or array.size != 1 else int(array.reshape(-1)[0])
+
+
 def to_reply(server: str, result: Any) -> PrefillReply:
     first = result.as_numpy(bls_contract.FIRST_TOKEN)
     handle = result.as_numpy(bls_contract.KV_HANDLE)
@@ -121,6 +134,19 @@ def to_reply(server: str, result: Any) -> PrefillReply:
     return PrefillReply(
         first_token=int(first.reshape(-1)[0]), kv_handle=handle.tobytes(), server=server
     )
+
+
+def _outputs(*names: str) -> list[Any]:
+    return [grpcclient.InferRequestedOutput(name) for name in names]
+
+
+class _StreamFailed(Exception):
+    """Carries the PrefillFailed of a streamed call out of ``_stream``."""
+
+    def __init__(self, failed: PrefillFailed, server_down: bool) -> None:
+        super().__init__(str(failed))
+        self.failed = failed
+        self.server_down = server_down
 
 
 class RemotePrefillClient(PrefillClient):
@@ -146,12 +172,23 @@ class RemotePrefillClient(PrefillClient):
         self.router = router if router is not None else PrefillRouter()
         self._connect = connect
         self._clients: dict[str, Any] = {}
+        self._streams: dict[str, bool] = {}
+        """Per server: whether its ``prefill`` streams by layer (is decoupled)."""
         self._task: asyncio.Task[None] | None = None
         self._discovered: asyncio.Event | None = None
         """Set once the first discovery is done (the first calls wait for it)."""
         self._closed = False
         self._counts = dict.fromkeys(
-            ("calls", "failovers", "failures", "pool_full", "cancelled", "server_failures"), 0
+            (
+                "calls",
+                "failovers",
+                "failures",
+                "pool_full",
+                "cancelled",
+                "server_failures",
+                "streamed",
+            ),
+            0,
         )
 
     @classmethod
@@ -163,7 +200,9 @@ class RemotePrefillClient(PrefillClient):
             call_timeout_s=cfg.prefill_call_timeout_s,
         )
 
-    async def prefill(self, call: PrefillCall) -> PrefillReply:
+    async def prefill(
+        self, call: PrefillCall, listener: StreamListener | None = None
+    ) -> PrefillReply:
         if self._closed:
             raise PrefillFailed("prefill client is closed")
         self._counts["calls"] += 1
@@ -180,7 +219,7 @@ class RemotePrefillClient(PrefillClient):
                 self._counts["failovers"] += 1
             tried.add(server)
             try:
-                return await self._call(server, call, inputs)
+                return await self._call(server, call, inputs, listener)
             except PrefillFailed as exc:
                 if not exc.retryable:
                     self._counts["failures"] += 1
@@ -194,22 +233,31 @@ class RemotePrefillClient(PrefillClient):
             )
         raise failure
 
-    async def _call(self, server: str, call: PrefillCall, inputs: list[Any]) -> PrefillReply:
-        """One ``infer`` on ``server``; the router learns how it went."""
+    async def _call(
+        self,
+        server: str,
+        call: PrefillCall,
+        inputs: list[Any],
+        listener: StreamListener | None,
+    ) -> PrefillReply:
+        """One call on ``server``; the router learns how it went."""
         client = self._client(server)
         self.router.begin(server)
+        streamed = False
         try:
-            result = await client.infer(
-                model_name=self.model_name,
-                inputs=inputs,
-                outputs=[
-                    grpcclient.InferRequestedOutput(bls_contract.FIRST_TOKEN),
-                    grpcclient.InferRequestedOutput(bls_contract.KV_HANDLE),
-                ],
-                request_id=call.request_id,
-                parameters={bls_contract.AUTH: call.auth},
-                client_timeout=self.call_timeout_s,
-            )
+            if await self._streams_layers(server):
+                reply = await self._stream(server, call, inputs, listener)
+                streamed = reply.streamed
+            else:
+                result = await client.infer(
+                    model_name=self.model_name,
+                    inputs=inputs,
+                    outputs=_outputs(bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE),
+                    request_id=call.request_id,
+                    parameters={bls_contract.AUTH: call.auth},
+                    client_timeout=self.call_timeout_s,
+                )
+                reply = to_reply(server, result)
         except InferenceServerException as exc:
             failed = classify(server, exc)
             if failed.retryable:
@@ -217,16 +265,99 @@ class RemotePrefillClient(PrefillClient):
             else:
                 self.router.mark_ok(server)  # it answered
             raise failed from None
+        except _StreamFailed as exc:
+            if exc.server_down:
+                self._server_failed(server, exc.failed)
+            else:
+                self.router.mark_ok(server)
+            raise exc.failed from None
         except asyncio.CancelledError:
             self._counts["cancelled"] += 1
             raise
         finally:
             self.router.end(server)
+        self._counts["streamed"] += streamed
         self.router.mark_ok(server)
-        return to_reply(server, result)
+        return reply
+
+    async def _streams_layers(self, server: str) -> bool:
+        known = self._streams.get(server)
+        if known is None:
+            config = await self._client(server).get_model_config(
+                self.model_name, as_json=True, client_timeout=self.probe_timeout_s
+            )
+            policy = config.get("config", {}).get("model_transaction_policy", {})
+            known = self._streams[server] = bool(policy.get("decoupled", False))
+        return known
+
+    async def _stream(
+        self,
+        server: str,
+        call: PrefillCall,
+        inputs: list[Any],
+        listener: StreamListener | None,
+    ) -> PrefillReply:
+        """The call to a prefill that streams by layer; ``_StreamFailed`` if it fails (its
+        ``streamed`` set once the listener holds the handle)."""
+        sent = asyncio.Event()
+        names = (bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE, bls_contract.LAYERS_READY)
+
+        async def request() -> Any:
+            yield {
+                "model_name": self.model_name,
+                "inputs": inputs,
+                "outputs": _outputs(*names),
+                "request_id": call.request_id,
+                "parameters": {bls_contract.AUTH: call.auth},
+            }
+            await sent.wait()  # the stream stays open until the last response arrived
+
+        stream = self._client(server).stream_infer(request(), stream_timeout=self.call_timeout_s)
+        handle: bytes | None = None
+        streamed = False
+
+        def failed(message: str, server_down: bool = False) -> _StreamFailed:
+            if not streamed:
+                text = f"prefill server {server}: {message}"
+                return _StreamFailed(PrefillFailed(text, retryable=server_down), server_down)
+            text = f"prefill server {server} failed mid-stream (the prompt's KV is dropped): "
+            return _StreamFailed(PrefillFailed(text + message, streamed=True), server_down)
+
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    answered = classify(server, error)
+                    if not streamed:
+                        raise _StreamFailed(answered, answered.retryable)
+                    raise failed(str(error.message() or error), answered.retryable)
+                if (data := result.as_numpy(bls_contract.KV_HANDLE)) is not None:
+                    handle = data.tobytes()
+                    if listener is not None:
+                        listener.handle(handle)
+                        streamed = True
+                ready = _value(result, bls_contract.LAYERS_READY)
+                if ready is not None and streamed:
+                    assert listener is not None
+                    listener.layers(ready)
+                first = _value(result, bls_contract.FIRST_TOKEN)
+                if first is not None:
+                    if handle is None:
+                        raise failed("a streamed reply without kv_handle")
+                    return PrefillReply(first, handle, server, streamed=streamed)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            name = code.name if code is not None else "UNKNOWN"
+            raise failed(f"{name}: {exc.details()}", name in RETRYABLE_STATUS) from None
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        finally:
+            sent.set()
+        raise failed("the stream ended without a first token", server_down=True)
 
     def _server_failed(self, server: str, failed: PrefillFailed) -> None:
         self._counts["server_failures"] += 1
+        self._streams.pop(server, None)  # it may come back configured otherwise
         backoff = self.router.mark_failed(server)
         log.warning("%s; out of rotation for %.0f s", failed, backoff)
 

@@ -70,6 +70,10 @@ class ServingConfig:
     """``nixl``: how prefill's blocks cross the network: ``auto`` in the pool's dtype, ``fp8`` as
     e4m3 with a scale per block and head (about half of bfloat16's bytes; lossy). Decoding
     needs nothing of the reader: it follows the handle."""
+    kv_stream_layers: bool = False
+    """Prefill servers (``--role prefill``, ``nixl``): answer with the KV handle before the
+    prompt pass and announce each layer as it is written, so that decode pulls the KV while the
+    pass runs (``prefill`` is then a decoupled model). Off: the handle after the pass."""
     kv_load_failure_policy: str = "recompute"
     """Decode, when a handed-over request's KV cannot be pulled (lease expired, owner gone,
     transfer past its deadline): ``recompute`` its prompt here, or ``fail`` it with
@@ -98,6 +102,8 @@ class ServingConfig:
             )
         if self.kv_transfer_dtype == "fp8" and self.transport != "nixl":
             raise ValueError("kv_transfer_dtype fp8 needs transport nixl (KV across machines)")
+        if self.kv_stream_layers and self.transport != "nixl":
+            raise ValueError("kv_stream_layers needs transport nixl (KV across machines)")
         if self.kv_load_failure_policy not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {HANDOFF_FAILURE_POLICIES}, "

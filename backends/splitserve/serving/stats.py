@@ -37,6 +37,11 @@ COUNTERS = {
     "transport (encoded, where kv_transfer_dtype is fp8)",
     "kv_handoff_fp8_bytes_total": "Of kv_handoff_bytes_total, the bytes that came fp8-encoded",
     "kv_handoff_seconds_total": "Seconds spent pulling KV",
+    "kv_streamed_requests_total": "Handed-over requests whose KV this instance pulled layer by "
+    "layer while their prompt pass ran (prefill servers with kv_stream_layers)",
+    "kv_streamed_layers_total": "Layers of KV pulled as their prompt pass announced them",
+    "kv_stream_wait_seconds_total": "Seconds streamed pulls waited for prefill to write the "
+    "next layer (the pull had caught up with the pass; no decode step waits for it)",
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
     "(then kv_load_failure_policy applies)",
     "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
@@ -198,6 +203,9 @@ TRANSPORT_COUNTERS = {
     "fetched_fp8_bytes": ("kv_handoff_fp8_bytes_total", 1.0),
     "fetch_ns": ("kv_handoff_seconds_total", 1e-9),
     "transfer_timeouts": ("kv_transfer_timeouts_total", 1.0),
+    "streamed_requests": ("kv_streamed_requests_total", 1.0),
+    "streamed_layers": ("kv_streamed_layers_total", 1.0),
+    "stream_wait_ns": ("kv_stream_wait_seconds_total", 1e-9),
     "prefill_calls": ("prefill_calls_total", 1.0),
     "prefill_failovers": ("prefill_failovers_total", 1.0),
 }

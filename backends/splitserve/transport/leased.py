@@ -176,7 +176,8 @@ class LeasedTransport(KVTransport):
         return encode_handle(handle, self._key)
 
     def publish_layers(self, block_ids: list[int], layers: range) -> None:
-        if self._pool is None or not 0 <= layers.start < layers.stop <= self._pool.layout.num_layers:
+        num_layers = self._pool.layout.num_layers if self._pool is not None else 0
+        if not 0 <= layers.start < layers.stop <= num_layers:
             raise ValueError(f"layers {layers} are not a range of the registered pool's layers")
         self._encode(block_ids, layers)
 

@@ -15,6 +15,7 @@ from splitserve.serving.prefill_client import (
     PrefillClient,
     PrefillFailed,
     PrefillReply,
+    StreamListener,
 )
 
 
@@ -27,7 +28,11 @@ class BlsPrefillClient(PrefillClient):
         self._release = release
         self._counts = dict.fromkeys(("calls", "failures"), 0)
 
-    async def prefill(self, call: PrefillCall) -> PrefillReply:
+    async def prefill(
+        self, call: PrefillCall, listener: StreamListener | None = None
+    ) -> PrefillReply:
+        """The local ``prefill`` model never streams (``kv_stream_layers`` is for prefill
+        servers): ``listener`` hears nothing."""
         inputs = [
             pb_utils.Tensor(bls_contract.INPUT_IDS, np.array([call.prompt_ids], dtype=np.int64)),
             pb_utils.Tensor(bls_contract.PARAMS, np.array([[call.params_json]], dtype=np.object_)),

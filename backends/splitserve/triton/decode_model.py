@@ -4,7 +4,9 @@ Per request: validate and tokenize, call prefill once (BLS to the local ``prefil
 gRPC to the prefill servers of ``--role decode``), stream the first token, hand the request
 (with its KV handle) to the engine loop, which pulls the blocks when it has room (over ``nixl``
 on a thread of its own, while the batch keeps stepping) and streams every further token straight
-to the client.
+to the client. A prefill server that streams its KV by layer answers with the handle before its
+pass: the request then enters the engine at once, its layers are pulled as they are written,
+and its first token follows when the pass ends (``serving.layer_stream``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from splitserve.engine.request import random_seed
 from splitserve.kv.pool import KVPool
 from splitserve.serving import bls_contract
 from splitserve.serving.frontend import Prepared
+from splitserve.serving.layer_stream import LayerStream, StreamCounts
 from splitserve.serving.loop import TIMED_OUT
 from splitserve.serving.prefill_client import (
     PrefillCall,
@@ -29,6 +32,7 @@ from splitserve.serving.prefill_client import (
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.bls_prefill import BlsPrefillClient
+from splitserve.triton.sink import TritonSink
 from splitserve.triton.streaming_model import GenerateModelBase
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,8 @@ class DecodeModel(GenerateModelBase):
         )
         pool = self.parts.new_pool()
         self.transport.register(pool)
+        self.num_layers = pool.layout.num_layers
+        self.stream_counts = StreamCounts()
         self.prefill_client = self._prefill_client()
         return pool
 
@@ -59,7 +65,8 @@ class DecodeModel(GenerateModelBase):
         # that the running streams keep stepping meanwhile. Local copies stay in the step.
         if self.cfg.transport != "nixl":
             return None
-        return ThreadPoolExecutor(1, thread_name_prefix="splitserve-kv-pull")
+        self.puller = ThreadPoolExecutor(1, thread_name_prefix="splitserve-kv-pull")
+        return self.puller
 
     def _prefill_client(self) -> PrefillClient:
         """BLS to the local ``prefill`` model, or gRPC to the prefill servers of the spec."""
@@ -72,6 +79,7 @@ class DecodeModel(GenerateModelBase):
     def transport_counts(self) -> dict[str, int]:
         counts = self.transport.stats()
         counts.update({f"prefill_{k}": v for k, v in self.prefill_client.stats().items()})
+        counts.update(self.stream_counts.as_dict())
         return counts
 
     async def execute(self, requests: list[Any]) -> None:
@@ -83,9 +91,14 @@ class DecodeModel(GenerateModelBase):
             return
         prep, sink, rid = taken
         handle = b""
+        seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
+        handoff = _Handoff(self, rid, prep, seed, sink)
         try:
-            seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
-            prefilled = await self._prefill(request, rid, prep, seed)
+            prefilled = await self._prefill(request, rid, prep, seed, handoff)
+            if handoff.stream is not None:
+                if prefilled is not None:
+                    self.loop.first_token(rid, prefilled[0])
+                return  # a cancelled client: the loop ends the request (it polls the client)
             if prefilled is None:
                 sink.cancel()
                 return
@@ -95,19 +108,19 @@ class DecodeModel(GenerateModelBase):
                 rid, prep.prompt_ids, prep.gen.params, first, seed, source, sink, prep.deadline
             )
         except PrefillError as exc:
-            sink.fail(str(exc), exc.kind)
+            handoff.fail(str(exc), exc.kind)
         except Exception as exc:  # every request must end with FINAL, whatever went wrong
             log.exception("request %s failed before decode", rid)
             if handle:
                 self.transport.release(handle)
-            sink.fail(f"internal error: {exc}", "internal")
+            handoff.fail(f"internal error: {exc}", "internal")
 
     async def _prefill(
-        self, request: Any, rid: str, prep: Prepared, seed: int
+        self, request: Any, rid: str, prep: Prepared, seed: int, handoff: _Handoff
     ) -> tuple[int, bytes] | None:
         """The first token and KV handle from prefill, retried while its pool is full; None
         (and no lease held) if the client cancelled meanwhile. PrefillError once the request's
-        deadline passed, too."""
+        deadline passed, too. A streaming prefill hands the handle to ``handoff`` early."""
         call = PrefillCall(
             prompt_ids=list(prep.prompt_ids),
             params_json=bls_contract.params_to_json(prep.gen.params),
@@ -119,9 +132,11 @@ class DecodeModel(GenerateModelBase):
         delay = 0.005
         while True:
             try:
-                reply = await self._call_prefill(request, call, prep.deadline)
+                reply = await self._call_prefill(request, call, prep.deadline, handoff)
                 break
             except PrefillFailed as exc:
+                if exc.streamed:
+                    raise PrefillError(str(exc), "unavailable") from None
                 # A full pool, or every prefill server failing (restarting, unreachable): tried
                 # again until prefill_retry_s; anything else is the request's own failure.
                 if not (exc.pool_full or exc.retryable):
@@ -135,20 +150,20 @@ class DecodeModel(GenerateModelBase):
                 return None
             delay = min(delay * 2, 0.2)
         if reply is None or request.is_cancelled():
-            if reply is not None:
+            if reply is not None and not reply.streamed:
                 self.transport.release(reply.kv_handle)
             return None
         return reply.first_token, reply.kv_handle
 
     async def _call_prefill(
-        self, request: Any, call: PrefillCall, deadline: float | None
+        self, request: Any, call: PrefillCall, deadline: float | None, handoff: _Handoff
     ) -> PrefillReply | None:
         """One prefill call, waited for until ``deadline`` while the client is still there.
         None if the client cancelled: the call is cancelled (a remote one stops; a BLS one runs
         on and its client releases the lease it returns), so no lease waits to expire."""
         if deadline is not None and time.monotonic() >= deadline:
             raise PrefillError(TIMED_OUT, "unavailable")
-        task = asyncio.ensure_future(self.prefill_client.prefill(call))
+        task = asyncio.ensure_future(self.prefill_client.prefill(call, handoff))
         while True:
             wait = self.cfg.cancel_poll_s
             if deadline is not None:
@@ -165,4 +180,43 @@ class DecodeModel(GenerateModelBase):
 
     def finalize(self) -> None:
         super().finalize()
+        puller = getattr(self, "puller", None)
+        if puller is not None:  # no read may run on a closed transport
+            puller.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
+
+
+class _Handoff:
+    """One request's ``StreamListener``: on the handle, the request enters the engine with a
+    ``LayerStream`` that pulls each announced layer. Until then, the request's end is this
+    model's to send; from then on, the engine loop's."""
+
+    def __init__(
+        self, model: DecodeModel, rid: str, prep: Prepared, seed: int, sink: TritonSink
+    ) -> None:
+        self.model = model
+        self.rid = rid
+        self.prep = prep
+        self.seed = seed
+        self.sink = sink
+        self.stream: LayerStream | None = None
+
+    def handle(self, kv_handle: bytes) -> None:
+        model, prep = self.model, self.prep
+        self.stream = LayerStream(model.transport, kv_handle, model.num_layers, model.stream_counts)
+        model.loop.add_streaming(
+            self.rid, prep.prompt_ids, prep.gen.params, self.seed, self.stream, self.sink,
+            prep.deadline,
+        )  # fmt: skip
+
+    def layers(self, ready: int) -> None:
+        assert self.stream is not None
+        self.stream.announce(ready)
+
+    def fail(self, message: str, kind: str) -> None:
+        """End the request with an error, whoever holds it now."""
+        if self.stream is None:
+            self.sink.fail(message, kind)
+            return
+        self.stream.stop(message)
+        self.model.loop.fail_request(self.rid, message, kind)

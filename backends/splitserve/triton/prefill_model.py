@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,8 +22,14 @@ from splitserve.serving.stats import InstanceStats, record_transport
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
+from splitserve.triton.prefill_stream import (
+    LayerAnnouncer,
+    handle_response,
+    send,
+    token_response,
+)
 from splitserve.triton.setup import setup_instance
-from splitserve.triton.tensors import error_response
+from splitserve.triton.tensors import FINAL, error_response
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,14 @@ class PrefillModel:
         pool = self.transport.create_pool(parts.layout, parts.num_blocks, cfg.engine.device)
         self.transport.register(pool)
         self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
+        self.pool = pool
+        self.streams = pb_utils.using_decoupled_model_transaction_policy(
+            json.loads(args["model_config"])
+        )
+        """Decoupled: the KV streams by layer (``prefill_stream``), else one response at the
+        end of the pass."""
+        if self.streams != cfg.kv_stream_layers:
+            raise ValueError("prefill is decoupled exactly when kv_stream_layers is set")
         self.stats = InstanceStats()
         self.metrics = InstanceMetrics(args, self.stats, self._gauges)
         self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
@@ -88,7 +104,8 @@ class PrefillModel:
             **record_transport(self.stats, self.transport.stats()),
         }
 
-    def execute(self, requests: list[Any]) -> list[Any]:
+    def execute(self, requests: list[Any]) -> list[Any] | None:
+        senders = [r.get_response_sender() for r in requests] if self.streams else []
         responses: list[Any] = [None] * len(requests)
         batch: list[tuple[int, Request]] = []
         free = self.engine.allocator.num_free
@@ -111,26 +128,40 @@ class PrefillModel:
             free -= need
             batch.append((i, req))
         if batch:
-            self._run(batch, responses)
+            if self.streams:
+                self._stream(batch, [senders[i] for i, _ in batch], responses)
+            else:
+                self._run(batch, responses)
             self.heap.maybe_trim()
-        return responses
+        if not self.streams:
+            return responses
+        for sender, response in zip(senders, responses, strict=True):
+            send(sender, response, FINAL)
+        return None
+
+    def _pass(self, reqs: list[Request], written: Callable[[int], None] | None = None) -> list[int]:
+        with self._computing():
+            start, cpu = time.perf_counter(), time.thread_time()
+            first = self.engine.run(reqs, written)
+            seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        self.stats.step(seconds, len(first), cpu)
+        return first
+
+    def _failed(
+        self, batch: list[tuple[int, Request]], responses: list[Any], exc: Exception
+    ) -> None:
+        log.exception("prefill failed")
+        for i, _ in batch:
+            self.stats.error("internal")
+            responses[i] = error_response(f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL)
 
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
         try:
-            with self._computing():
-                start, cpu = time.perf_counter(), time.thread_time()
-                first = self.engine.prefill(reqs)
-                seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+            first = self._whole(reqs)
         except Exception as exc:
-            log.exception("prefill failed")
-            for i, _ in batch:
-                self.stats.error("internal")
-                responses[i] = error_response(
-                    f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL
-                )
+            self._failed(batch, responses, exc)
             return
-        self.stats.step(seconds, len(first), cpu)
         for (i, req), token in zip(batch, first, strict=True):
             handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
             responses[i] = pb_utils.InferenceResponse(
@@ -141,6 +172,48 @@ class PrefillModel:
                     ),
                 ]
             )
+
+    def _whole(self, reqs: list[Request]) -> list[int]:
+        self.engine.allocate(reqs)
+        try:
+            return self._pass(reqs)
+        except BaseException:
+            for req in reqs:
+                self.engine.free(req)
+            raise
+
+    def _stream(
+        self, batch: list[tuple[int, Request]], senders: list[Any], responses: list[Any]
+    ) -> None:
+        """Lease the blocks and answer with their handles before the pass; announce each layer
+        as it is written; the first tokens go into ``responses`` (sent FINAL by the caller)."""
+        reqs = [r for _, r in batch]
+        self.engine.allocate(reqs)
+        handles = [
+            self.transport.export(r.request_id, r.block_ids, len(r.prompt_ids), streamed=True)
+            for r in reqs
+        ]
+        for sender, handle in zip(senders, handles, strict=True):
+            send(sender, handle_response(handle))
+        blocks = [b for r in reqs for b in r.block_ids]
+        announcer = LayerAnnouncer(senders, self.pool.device)
+
+        def written(layer: int) -> None:
+            self.transport.publish_layers(blocks, range(layer, layer + 1))
+            announcer.written(layer + 1)
+
+        try:
+            first = self._pass(reqs, written)
+        except Exception as exc:
+            self._failed(batch, responses, exc)
+            for handle in handles:  # the leases own the blocks: releasing them frees them
+                self.transport.release(handle)
+            return
+        finally:
+            announcer.close()
+        layers = self.pool.layout.num_layers
+        for (i, _), token in zip(batch, first, strict=True):
+            responses[i] = token_response(token, layers)
 
     def finalize(self) -> None:
         self.refresher.stop()
