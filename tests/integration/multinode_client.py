@@ -6,6 +6,8 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py load GRPC_URL N MAX_TOKENS TIMEOUT_S [PROMPT_WORDS]
     multinode_client.py cancel GRPC_URL PROMPT
     multinode_client.py gauges METRICS_URL
+    multinode_client.py midstream GRPC_URL METRICS_URL PROMPT MAX_TOKENS  (prints "pulling" once
+                                                          the request's first layers arrived)
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
     multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: [ttft, second] s)
     multinode_client.py stall GRPC_URL PROMPT PROMPTS_JSON  (a stream's longest token gap while
@@ -61,6 +63,23 @@ def load(url: str, n: int, max_tokens: int, timeout_s: float, words: int) -> lis
     for thread in threads:
         thread.join()
     return results
+
+
+def midstream(url: str, metrics_url: str, prompt: str, max_tokens: int) -> Any:
+    """A greedy request; once decode has pulled layers of it (its prefill still running),
+    print ``pulling`` (the caller then acts on the prefill server), then return its result."""
+    key = "splitserve_kv_streamed_layers_total|llm"
+    before = gauges(metrics_url).get(key, 0.0)
+    result: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: result.append(generate(url, prompt, max_tokens, True, 60.0))
+    )
+    thread.start()
+    while thread.is_alive() and gauges(metrics_url).get(key, 0.0) == before:
+        time.sleep(0.01)
+    print("pulling" if thread.is_alive() else "ended", flush=True)
+    thread.join()
+    return result[0]
 
 
 def cancel(url: str, prompt: str) -> Any:
@@ -179,6 +198,8 @@ def main(argv: list[str]) -> Any:
         return load(args[0], int(args[1]), int(args[2]), float(args[3]), words)
     if cmd == "cancel":
         return cancel(args[0], args[1])
+    if cmd == "midstream":
+        return midstream(args[0], args[1], args[2], int(args[3]))
     if cmd == "gauges":
         return gauges(args[0])
     if cmd == "timing":

@@ -59,12 +59,17 @@ def servers(
     common = [*server_args(serve_ckpt, tmp), "--transport", "nixl"]
     started: dict[str, Server] = {}
     try:
-        for name in ("prefill0", "prefill1"):
+        # A mixed fleet: prefill1 streams its KV by layer (the default), prefill0 hands it
+        # over after the pass; the decode server learns which is which.
+        for name, mode in (
+            ("prefill0", "--no-kv-stream-layers"),
+            ("prefill1", "--kv-stream-layers"),
+        ):
             node = cluster[name]
             started[name] = Server(
                 node,
                 tmp / f"{name}.log",
-                [*common, "--role", "prefill", "--advertise-host", node.address,
+                [*common, "--role", "prefill", "--advertise-host", node.address, mode,
                  "--param", f"lease_ttl_s={LEASE_TTL_S}"],
             )  # fmt: skip
         decode = cluster["decode"]
@@ -105,6 +110,11 @@ def test_greedy_text_across_nodes_equals_transformers(
         assert got.get("text") == ref.text, (prompt, got)
     values = gauges(decode)
     assert values["splitserve_kv_handoff_failures|llm"] == 0
+    # Those prefilled by prefill1 streamed by layer, each layer pulled as it was announced.
+    streamed = values["splitserve_kv_streamed_requests_total|llm"]
+    assert 0 < streamed < len(PROMPTS) * 2, values
+    layers = values["splitserve_kv_streamed_layers_total|llm"]
+    assert layers > 0 and layers % streamed == 0, values
     ref = greedy_reference(PROMPTS[0], MAX_TOKENS, True)
     # The client tools of a single server (generate, the OpenAI frontend, bench) work unchanged
     # against a decode server.
@@ -183,19 +193,26 @@ def test_link_cut_mid_transfer_ends_requests_and_leaks_nothing(
 
 
 def test_killed_prefill_node_under_load_fails_over(
-    cluster: netns.Cluster, servers: dict[str, Server]
+    cluster: netns.Cluster, servers: dict[str, Server], greedy_reference: ReferenceFactory
 ) -> None:
     decode = cluster["decode"]
+    n, words = 12, 150
     load = decode.popen(
-        [sys.executable, str(CLIENT), "load", "127.0.0.1:8001", "12", "16", "60"],
+        [sys.executable, str(CLIENT), "load", "127.0.0.1:8001", str(n), "16", "60", str(words)],
         stdout=subprocess.PIPE,
         text=True,
     )
     time.sleep(1.0)
-    servers["prefill1"].kill_node()
+    servers["prefill1"].kill_node()  # passes are under way there, their layers streaming
     out, _ = load.communicate(timeout=120)
     results = json.loads(out)
-    assert all(r is not None and ("text" in r or "error" in r) for r in results), results
+    # Each request ends: with the text transformers gives (no half-streamed KV was decoded),
+    # or with an error (its prefill died mid-stream).
+    for i, result in enumerate(results):
+        assert result is not None and ("text" in result or "error" in result), results
+        if "text" in result:
+            ref = greedy_reference(f"request {i} of the load{' lorem' * words}", 16, True)
+            assert result["text"] == ref.text, (i, result)
     for i in range(6):  # new requests go to the survivor
         got = client(decode, "generate", "127.0.0.1:8001", f"survivor {i}", 8)
         assert "text" in got, got
