@@ -1,17 +1,20 @@
-"""What the KV transfer adds through real servers on two "nodes": a prefill server and a decode
-server (`splitserve serve --role ...`) in two network namespaces (tests/integration/netns.py),
-NIXL over TCP only, the link between them limited by tc.
+"""What the KV transfer adds to TTFT through real servers on two "nodes": a prefill server and a
+decode server (`splitserve serve --role ...`) in two network namespaces
+(tests/integration/netns.py), NIXL over TCP only, the link between them limited by tc.
 
-Per link rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by default),
-prompts are sent one at a time from inside the decode node; printed: TTFT and the time from the
-first to the second token (medians), and the decode server's own handoff time per request
-(``splitserve_kv_handoff_seconds_total`` / ``..._handoffs_total``). The first token streams
-before the pull, so the transfer shows up between the first and second tokens. With
-``--stall``, a greedy stream runs meanwhile and the script prints its longest gap between tokens
-while each prompt's KV crosses (what a pull costs the other streams), against its median gap.
-Needs root.
+Per transfer mode (the prefill server restarted for each: ``whole`` hands the KV over after the
+pass, ``layerwise`` streams it by layer during the pass, ``-fp8`` adds the fp8 encoding), link
+rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by default), prompts are
+sent one at a time from inside the decode node. The first token streams as soon as prefill
+samples it; decoding starts once the KV is in, so what the transfer adds to the time a user
+waits is the first-to-second token gap less one decode step (the second-to-third gap, taken
+from the same request). Printed per cell: the prompt pass (prefill's own busy seconds per
+pass), TTFT, the added time and its fraction of the pass (medians), and the decode server's
+handoff time per request. With ``--stall``, a greedy stream runs meanwhile and the script prints
+its longest gap between tokens while each prompt's KV crosses. Needs root.
 
-Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,unlimited] [--repeats 5]
+Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10] [--repeats 5]
+     [--modes whole,layerwise,layerwise-fp8]
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ CLIENT = Path(__file__).resolve().parents[1] / "tests" / "integration" / "multin
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
 LENGTHS = (128, 1024, 4096)
 MAX_MODEL_LEN = 4352
+MODES = {
+    "whole": ["--no-kv-stream-layers"],
+    "whole-fp8": ["--no-kv-stream-layers", "--kv-transfer-dtype", "fp8"],
+    "layerwise": ["--kv-stream-layers"],
+    "layerwise-fp8": ["--kv-stream-layers", "--kv-transfer-dtype", "fp8"],
+}
+"""The prefill server's flags of each transfer mode."""
 
 
 def checkpoint(name: str) -> str:
@@ -49,16 +59,20 @@ def checkpoint(name: str) -> str:
 
 
 def run_client(node: netns.Node, *args: str) -> Any:
-    done = node.run([sys.executable, str(CLIENT), *args], timeout=600)
+    done = node.run([sys.executable, str(CLIENT), *args], timeout=600, check=False)
+    if done.returncode != 0:
+        sys.exit(f"client {args[0]} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
-def handoff_counters(node: netns.Node) -> tuple[float, float]:
+def counters(node: netns.Node, model: str, *names: str) -> list[float]:
     values = run_client(node, "gauges", "http://127.0.0.1:8002/metrics")
-    return (
-        values["splitserve_kv_handoff_seconds_total|llm"],
-        values["splitserve_kv_handoffs_total|llm"],
-    )
+    return [values.get(f"splitserve_{name}|{model}", 0.0) for name in names]
+
+
+def per_event(before: list[float], after: list[float]) -> float:
+    """(seconds after - before) / (events after - before)."""
+    return (after[0] - before[0]) / max(after[1] - before[1], 1)
 
 
 def start(node: netns.Node, args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -97,22 +111,60 @@ def stall_row(
     return row
 
 
+def measure(
+    cluster: netns.Cluster, mode: str, rate: float | None, length: int, prompts: Path
+) -> dict[str, Any]:
+    prefill, decode = cluster["prefill0"], cluster["decode"]
+    busy = ("engine_busy_seconds_total", "engine_steps_total")
+    handoff = ("kv_handoff_seconds_total", "kv_handoffs_total")
+    before = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
+    stamps = run_client(decode, "timing", "127.0.0.1:8001", str(prompts))[1:]
+    after = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
+    added = statistics.median((t[1] - t[0]) - (t[2] - t[1]) for t in stamps)
+    pass_s = per_event(before[0], after[0])
+    return {
+        "mode": mode,
+        "rate_gbit": rate,
+        "tokens": length,
+        "pass_s": pass_s,
+        "ttft_s": statistics.median(t[0] for t in stamps),
+        "second_token_s": statistics.median(t[1] - t[0] for t in stamps),
+        "step_s": statistics.median(t[2] - t[1] for t in stamps),
+        "added_s": added,
+        "added_of_pass": added / pass_s,
+        "handoff_s": per_event(before[1], after[1]),
+    }
+
+
+def report(row: dict[str, Any]) -> None:
+    rate = row["rate_gbit"]
+    label = "unlimited" if rate is None else f"{rate:g} Gbit/s"
+    print(
+        f"{row['mode']:>13}  link {label:>10}  {row['tokens']:5d} tokens  pass "
+        f"{row['pass_s'] * 1e3:7.1f} ms  TTFT {row['ttft_s'] * 1e3:7.1f} ms  added "
+        f"{row['added_s'] * 1e3:6.1f} ms = {row['added_of_pass']:6.1%} of the pass  "
+        f"(handoff {row['handoff_s'] * 1e3:6.1f} ms)",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="100m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rates", default="1,10,unlimited")
+    ap.add_argument("--rates", default="1,10")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
-    ap.add_argument(
-        "--kv-transfer-dtype", default="auto", help="the prefill server's (auto or fp8)"
-    )
+    ap.add_argument("--modes", default="whole,layerwise,layerwise-fp8", help=f"of {list(MODES)}")
     ap.add_argument(
         "--stall",
         action="store_true",
         help="also: a stream's longest token gap while 4k-token prompts are handed over",
     )
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        sys.exit(f"bench_multinode: unknown modes {unknown} (of {list(MODES)})")
     if (reason := netns.available()) is not None:
         sys.exit(f"bench_multinode: {reason}")
     model = checkpoint(args.model)
@@ -123,48 +175,36 @@ def main() -> None:
     key.chmod(0o600)
     common = ["--model", model, "--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN),
               "--key-file", str(key)]  # fmt: skip
+    prompts = {}
+    for length in LENGTHS:
+        prompts[length] = work / f"prompts-{length}.json"
+        prompts[length].write_text(json.dumps(exact_prompts(tokenizer, args.repeats + 1, length)))
     rows: list[dict[str, Any]] = []
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
-        servers = [
-            start(prefill, [*common, "--role", "prefill", "--advertise-host", prefill.address,
-                            "--kv-transfer-dtype", args.kv_transfer_dtype], work / "prefill.log"),
-            start(decode, [*common, "--role", "decode", "--advertise-host", decode.address,
-                           f"--prefill-url={prefill.address}:8001"], work / "decode.log"),
-        ]  # fmt: skip
+        decode_server = start(decode, [*common, "--role", "decode", "--advertise-host",
+                                       decode.address, f"--prefill-url={prefill.address}:8001"],
+                              work / "decode.log")  # fmt: skip
         try:
-            for rate in parse_rates(args.rates):
-                for node in cluster:
-                    netns.set_rate(node, rate)
-                for length in LENGTHS:
-                    prompts = exact_prompts(tokenizer, args.repeats + 1, length)
-                    path = work / f"prompts-{length}.json"
-                    path.write_text(json.dumps(prompts))
-                    before = handoff_counters(decode)
-                    stamps = run_client(decode, "timing", "127.0.0.1:8001", str(path))[1:]
-                    after = handoff_counters(decode)
-                    handoff = (after[0] - before[0]) / max(after[1] - before[1], 1)
-                    row = {
-                        "rate_gbit": rate,
-                        "tokens": length,
-                        "ttft_s": statistics.median(t[0] for t in stamps),
-                        "second_token_s": statistics.median(t[1] - t[0] for t in stamps),
-                        "handoff_s": handoff,
-                    }
-                    rows.append(row)
-                    label = "unlimited" if rate is None else f"{rate:g} Gbit/s"
-                    print(
-                        f"link {label:>10}  {length:5d} tokens  TTFT {row['ttft_s'] * 1e3:8.1f} "
-                        f"ms  first->second {row['second_token_s'] * 1e3:7.1f} ms  "
-                        f"handoff {handoff * 1e3:7.1f} ms",
-                        flush=True,
-                    )
-                if args.stall:
-                    rows.append(stall_row(decode, tokenizer, rate, args.repeats, work))
+            for mode in modes:
+                server = start(prefill, [*common, "--role", "prefill", "--advertise-host",
+                                         prefill.address, *MODES[mode]],
+                               work / f"prefill-{mode}.log")  # fmt: skip
+                try:
+                    for rate in parse_rates(args.rates):
+                        for node in cluster:
+                            netns.set_rate(node, rate)
+                        for length in LENGTHS:
+                            rows.append(measure(cluster, mode, rate, length, prompts[length]))
+                            report(rows[-1])
+                        if args.stall:
+                            rows.append(stall_row(decode, tokenizer, rate, args.repeats, work))
+                finally:
+                    server.terminate()
+                    server.wait(60)
         finally:
-            for proc in servers:
-                proc.terminate()
-                proc.wait(60)
+            decode_server.terminate()
+            decode_server.wait(60)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -9,7 +9,7 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py midstream GRPC_URL METRICS_URL PROMPT MAX_TOKENS  (prints "pulling" once
                                                           the request's first layers arrived)
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
-    multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: [ttft, second] s)
+    multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: seconds to tokens 1-3)
     multinode_client.py stall GRPC_URL PROMPT PROMPTS_JSON  (a stream's longest token gap while
                                                           each prompt's KV is handed over)
 """
@@ -117,15 +117,15 @@ def openai_completion(base: str, prompt: str, max_tokens: int) -> Any:
 
 
 def timing(url: str, prompts: list[str]) -> list[list[float]]:
-    """Per prompt, sent one at a time: seconds to the first and to the second token."""
-    sampling = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    """Per prompt, sent one at a time: seconds to the first, second and third token."""
+    sampling = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
     out = []
     with GrpcStream(url) as stream:
         for prompt in prompts:
             sent = time.perf_counter()
             stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
             stamps = []
-            for _ in range(2):
+            for _ in range(3):
                 _, error = stream.next(120.0)
                 if error is not None:
                     raise error

@@ -17,7 +17,8 @@ from splitserve.engine_config import EngineConfig
 from splitserve.serving.layer_stream import LayerStream, StreamCounts, StreamStopped
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPT = [256, *range(1, 40)]
+PROMPT = [256, *range(1, 48)]
+"""Whole blocks (3 of 16 tokens): the first token's slot is a block the pull does not fill."""
 
 
 class PoolCopy:

@@ -75,7 +75,13 @@ class FakeClient:
         return Result(self.server)
 
     async def get_model_config(self, model_name: str, **kwargs: Any) -> dict[str, Any]:
-        return {"config": {"name": model_name}}  # not decoupled: calls go to ``infer``
+        policy = {"decoupled": self.server in self.fleet.streams}
+        return {"config": {"name": model_name, "model_transaction_policy": policy}}
+
+    def stream_infer(self, requests: Any, stream_timeout: float | None = None) -> FakeStream:
+        if self.server not in self.fleet.streams:
+            raise AssertionError("stream_infer on a server that does not stream")
+        return FakeStream(self.fleet.streams[self.server], requests)
 
     async def is_server_ready(self, client_timeout: float | None = None) -> bool:
         if self.server in self.fleet.errors:
@@ -86,10 +92,65 @@ class FakeClient:
         self.closed = True
 
 
+class Streamed:
+    """One response of a streaming prefill: outputs by name (absent: not sent)."""
+
+    def __init__(self, **outputs: Any) -> None:
+        self.outputs = outputs
+
+    def as_numpy(self, name: str) -> np.ndarray | None:
+        value = self.outputs.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bytes):
+            return np.frombuffer(value, dtype=np.uint8).reshape(1, -1)
+        return np.array([[value]])
+
+
+class FakeStream:
+    """``stream_infer``'s iterator over scripted responses; an exception in the script is
+    raised where it stands."""
+
+    def __init__(self, script: list[Any], requests: Any) -> None:
+        self.script = list(script)
+        self.requests = requests
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> tuple[Any, Any]:
+        if not self.script:
+            raise StopAsyncIteration
+        item = self.script.pop(0)
+        if isinstance(item, InferenceServerException):
+            return None, item
+        if isinstance(item, BaseException):
+            raise item
+        return item, None
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class Listener:
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def handle(self, kv_handle: bytes) -> None:
+        self.events.append(kv_handle)
+
+    def layers(self, ready: int) -> None:
+        self.events.append(ready)
+
+
 class Fleet:
-    """Fake servers: ``errors`` says which fail and how."""
+    """Fake servers: ``errors`` says which fail and how; ``streams`` which stream by layer,
+    and what they answer."""
 
     def __init__(self) -> None:
+        self.streams: dict[str, list[Any]] = {}
         self.errors: dict[str, InferenceServerException] = {}
         self.clients: dict[str, FakeClient] = {}
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -162,6 +223,70 @@ def test_deadline_fails_over_once_and_pool_full_does_not() -> None:
         stats = client.stats()
         assert stats["calls"] == 3 and stats["failovers"] == 1 and stats["failures"] == 2
         assert stats["pool_full"] == 1 and stats["server_failures"] == 2
+        await client.close()
+
+    run(body)
+
+
+HANDLE, TOKEN, LAYERS = bls_contract.KV_HANDLE, bls_contract.FIRST_TOKEN, bls_contract.LAYERS_READY
+
+
+def streamed(**fields: Any) -> Streamed:
+    names = {"handle": HANDLE, "token": TOKEN, "layers": LAYERS}
+    return Streamed(**{names[k]: v for k, v in fields.items()})
+
+
+def test_a_streaming_server_gives_the_listener_the_handle_then_each_count() -> None:
+    fleet = Fleet()
+    fleet.streams["a:1"] = [
+        streamed(handle=b"h", layers=0),
+        streamed(layers=1),
+        streamed(layers=3),
+        streamed(token=7, layers=4),
+    ]
+
+    async def body() -> None:
+        client = make(fleet, "a:1")
+        listener = Listener()
+        reply = await client.prefill(CALL, listener)
+        assert (reply.first_token, reply.kv_handle, reply.streamed) == (7, b"h", True)
+        assert listener.events == [b"h", 0, 1, 3, 4]
+        assert client.stats()["streamed"] == 1
+        await client.close()
+
+    run(body)
+
+
+def test_a_failure_before_the_handle_fails_over_and_after_it_ends_the_call() -> None:
+    fleet = Fleet()
+    died = error(None, "Stub process 'prefill_0_0' is not healthy.")
+    fleet.streams["a:1"] = [died]
+    fleet.streams["b:1"] = [streamed(handle=b"h", layers=0), streamed(layers=2), died]
+
+    async def body() -> None:
+        client = make(fleet, "a:1", "b:1")
+        listener = Listener()
+        with pytest.raises(PrefillFailed) as failed:
+            await client.prefill(CALL, listener)
+        # a died before answering: b was tried; b died mid-stream: not retried, not retryable.
+        assert failed.value.streamed and not failed.value.retryable
+        assert "b:1" in str(failed.value) and "mid-stream" in str(failed.value)
+        assert listener.events == [b"h", 0, 2]
+        assert client.router.down() == ["a:1", "b:1"]
+        await client.close()
+
+    run(body)
+
+
+def test_a_whole_reply_on_a_stream_is_not_streamed() -> None:
+    fleet = Fleet()
+    fleet.streams["a:1"] = [streamed(handle=b"h", token=9)]
+
+    async def body() -> None:
+        client = make(fleet, "a:1")
+        listener = Listener()
+        reply = await client.prefill(CALL, listener)
+        assert (reply.first_token, reply.streamed, listener.events) == (9, False, [])
         await client.close()
 
     run(body)

@@ -215,7 +215,8 @@ class Scheduler:
     def _admit_arrived(self, out: SchedulerOutput) -> None:
         while self.arrived and len(self.running) + len(self.pulling) < self.limits.max_num_seqs:
             req, source = self.arrived[0]
-            if not self._grow(req, req.num_tokens):
+            # A streamed request's first token comes later: its slot is reserved now.
+            if not self._grow(req, req.num_tokens + (not req.output_ids)):
                 break
             self.arrived.popleft()
             dst = req.block_ids[: -(-req.num_computed // self.limits.block_size)]

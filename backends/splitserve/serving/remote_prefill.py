@@ -15,7 +15,8 @@ awaiting task is cancelled, and tritonserver then cancels the request.
 A prefill server whose ``prefill`` is decoupled streams its KV by layer (``kv_stream_layers``):
 the call is then a ``stream_infer`` whose first response gives the handle (to the call's
 listener), later ones the written-layer counts, the last the first token. Which kind a server
-is, is read from its model config at the first call (again after it failed). Once the handle
+is, is read from its model config at the first call (again after it failed or refused a call
+of the other kind: a server restarted with the other setting). Once the handle
 went to the listener the call is not retried: a failure then ends the request.
 """
 
@@ -63,6 +64,8 @@ RETRYABLE_STATUS = frozenset(
 """gRPC codes that mean the server (not the request) failed: it is unreachable or stopping
 (UNAVAILABLE; also a Triton model not ready), silent (DEADLINE_EXCEEDED), ended the call itself
 (CANCELLED, ABORTED; ours is asyncio.CancelledError instead), or lacks the model (NOT_FOUND)."""
+DECOUPLED = "decoupled transaction policy"
+"""Triton's refusal of ``infer`` on a decoupled model: the server now streams by layer."""
 STUB_DIED = "is not healthy"
 """Triton's INTERNAL error of a Python-backend model whose stub process died."""
 
@@ -241,23 +244,19 @@ class RemotePrefillClient(PrefillClient):
         listener: StreamListener | None,
     ) -> PrefillReply:
         """One call on ``server``; the router learns how it went."""
-        client = self._client(server)
         self.router.begin(server)
-        streamed = False
         try:
             if await self._streams_layers(server):
                 reply = await self._stream(server, call, inputs, listener)
-                streamed = reply.streamed
             else:
-                result = await client.infer(
-                    model_name=self.model_name,
-                    inputs=inputs,
-                    outputs=_outputs(bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE),
-                    request_id=call.request_id,
-                    parameters={bls_contract.AUTH: call.auth},
-                    client_timeout=self.call_timeout_s,
-                )
-                reply = to_reply(server, result)
+                try:
+                    reply = await self._infer(server, call, inputs)
+                except InferenceServerException as exc:
+                    if DECOUPLED not in str(exc.message()):
+                        raise
+                    # Restarted with kv_stream_layers since we asked: ask again, call again.
+                    self._streams.pop(server, None)
+                    reply = await self._stream(server, call, inputs, listener)
         except InferenceServerException as exc:
             failed = classify(server, exc)
             if failed.retryable:
@@ -276,9 +275,20 @@ class RemotePrefillClient(PrefillClient):
             raise
         finally:
             self.router.end(server)
-        self._counts["streamed"] += streamed
+        self._counts["streamed"] += reply.streamed
         self.router.mark_ok(server)
         return reply
+
+    async def _infer(self, server: str, call: PrefillCall, inputs: list[Any]) -> PrefillReply:
+        result = await self._client(server).infer(
+            model_name=self.model_name,
+            inputs=inputs,
+            outputs=_outputs(bls_contract.FIRST_TOKEN, bls_contract.KV_HANDLE),
+            request_id=call.request_id,
+            parameters={bls_contract.AUTH: call.auth},
+            client_timeout=self.call_timeout_s,
+        )
+        return to_reply(server, result)
 
     async def _streams_layers(self, server: str) -> bool:
         known = self._streams.get(server)
@@ -323,19 +333,23 @@ class RemotePrefillClient(PrefillClient):
             text = f"prefill server {server} failed mid-stream (the prompt's KV is dropped): "
             return _StreamFailed(PrefillFailed(text + message, streamed=True), server_down)
 
+        def refused(error: InferenceServerException) -> _StreamFailed:
+            answered = classify(server, error)
+            if not streamed:
+                return _StreamFailed(answered, answered.retryable)
+            return failed(str(error.message() or error), answered.retryable)
+
         try:
             async for result, error in stream:
                 if error is not None:
-                    answered = classify(server, error)
-                    if not streamed:
-                        raise _StreamFailed(answered, answered.retryable)
-                    raise failed(str(error.message() or error), answered.retryable)
+                    raise refused(error)
+                ready = _value(result, bls_contract.LAYERS_READY)
                 if (data := result.as_numpy(bls_contract.KV_HANDLE)) is not None:
                     handle = data.tobytes()
-                    if listener is not None:
+                    # No count: a prefill that does not stream (restarted without it).
+                    if listener is not None and ready is not None:
                         listener.handle(handle)
                         streamed = True
-                ready = _value(result, bls_contract.LAYERS_READY)
                 if ready is not None and streamed:
                     assert listener is not None
                     listener.layers(ready)
@@ -344,6 +358,8 @@ class RemotePrefillClient(PrefillClient):
                     if handle is None:
                         raise failed("a streamed reply without kv_handle")
                     return PrefillReply(first, handle, server, streamed=streamed)
+        except InferenceServerException as exc:
+            raise refused(exc) from None
         except grpc.RpcError as exc:
             code = exc.code()
             name = code.name if code is not None else "UNKNOWN"
