@@ -72,15 +72,19 @@ def _mem_of(pool: KVPool) -> tuple[str, int]:
 
 class _Progress:
     """Owner side: drives the agent's UCX worker, which answers the readers' READs. Busy (a
-    pause of ``BUSY_S``) while a lease is being read, else every ``IDLE_S`` or at once when
-    woken (a reader's PULL notice: its READ follows)."""
+    pause of ``BUSY_S``) for ``BUSY_WINDOW_S`` after each reader's PULL notice (its READ
+    follows) while that lease is being read, else every ``IDLE_S``. Bounded, because a
+    streamed lease is being read for its whole prompt pass: a busy loop that long takes CPU
+    the pass needs."""
 
     BUSY_S = 20e-6
     IDLE_S = 2e-3
+    BUSY_WINDOW_S = 0.005
 
     def __init__(self, agent: Any, being_read: Callable[[], int]) -> None:
         self._agent = agent
         self._being_read = being_read
+        self._busy_until = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitserve-nixl-progress")
@@ -93,10 +97,13 @@ class _Progress:
                 self._agent.get_new_notifs()
             except Exception:  # a peer's failure surfaces here too; the reader handles it
                 log.debug("NIXL progress reported an error", exc_info=True)
-            if self._being_read():
-                time.sleep(self.BUSY_S)
-            elif self._wake.wait(self.IDLE_S):
+            if self._wake.is_set():
                 self._wake.clear()
+                self._busy_until = time.monotonic() + self.BUSY_WINDOW_S
+            if self._being_read() and time.monotonic() < self._busy_until:
+                time.sleep(self.BUSY_S)
+            else:
+                self._wake.wait(self.IDLE_S)
 
     def wake(self) -> None:
         self._wake.set()
