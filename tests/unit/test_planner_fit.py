@@ -8,6 +8,7 @@ from splitserve_tools.planner.fit import (
     DecodeFit,
     DecodeRange,
     DecodeSample,
+    HandoffFit,
     PrefillFit,
     PrefillSample,
     fit_decode,
@@ -97,3 +98,17 @@ def test_link_fit_reads_bench_link_rows_of_one_rate() -> None:
     assert fit.bytes_per_s == pytest.approx(2.4e8, rel=1e-6)  # the KV's own bytes
     with pytest.raises(ValueError, match=r"no fp8 link rows at rate None.*'1.0 fp8'"):
         link_fit(rows + fp8, None, "fp8")
+
+
+def test_a_streamed_handoff_adds_its_last_layer_or_what_the_pass_did_not_cover() -> None:
+    whole = HandoffFit(0.001, 125e6)  # 1 Gbit/s
+    streamed = HandoffFit(0.001, 125e6, stream_layers=12)
+    kv = 48e6
+    assert whole.added_after_pass(kv, 4.0) == whole(kv)
+    # The link outruns the pass: only the last layer's transfer is left after it.
+    assert streamed.added_after_pass(kv, 4.0) == pytest.approx(0.001 + kv / 12 / 125e6)
+    # A pass shorter than the transfer: the remainder of the transfer, each layer's fixed cost in.
+    left = 12 * 0.001 + kv / 125e6 - 0.1 * 11 / 12
+    assert streamed.added_after_pass(kv, 0.1) == pytest.approx(left)
+    assert HandoffFit.from_dict(streamed.to_dict()) == streamed
+    assert HandoffFit.from_dict({"fixed_s": 1.0, "bytes_per_s": 2.0}).stream_layers == 0

@@ -114,6 +114,13 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
             f"prefill and decode on different nodes: handoff over a {args.link_gbit:g} Gbit/s "
             f"link, {args.link_latency_ms:g} ms latency"
         )
+    if args.kv_stream_layers:
+        from dataclasses import replace
+
+        profile = replace(
+            profile, handoff=replace(profile.handoff, stream_layers=args.kv_stream_layers)
+        )
+        print(f"the KV streams by layer during the pass ({args.kv_stream_layers} layers)")
     budgets = args.cores or args.gpus
     if (args.cores is not None) != (profile.device == "cpu"):
         raise SystemExit(
@@ -305,6 +312,14 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "fp8"],
         default="auto",
         help="with --link-json: price the handoff by that file's rows of this encoding",
+    )
+    s.add_argument(
+        "--kv-stream-layers",
+        type=int,
+        default=0,
+        metavar="LAYERS",
+        help="price a handoff streamed by layer during the pass (prefill servers' default), "
+        "LAYERS the model's num_hidden_layers; 0: after the pass",
     )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")

@@ -116,16 +116,29 @@ class DecodeFit:
 class HandoffFit:
     fixed_s: float
     bytes_per_s: float
+    stream_layers: int = 0
+    """0: the KV moves after the prompt pass; else it streams during the pass, one transfer per
+    layer of this many (prefill servers with ``kv_stream_layers``)."""
 
     def __call__(self, nbytes: float) -> float:
         return self.fixed_s + nbytes / self.bytes_per_s
+
+    def added_after_pass(self, nbytes: float, pass_s: float) -> float:
+        """What moving ``nbytes`` of a prompt's KV adds after its pass of ``pass_s`` ends: the
+        whole transfer; streamed, the last layer's, or, where the link is slower than the pass
+        writes KV, the part of all the layers' transfers the pass did not cover."""
+        n = self.stream_layers
+        if not n:
+            return self(nbytes)
+        behind = n * self.fixed_s + nbytes / self.bytes_per_s - pass_s * (n - 1) / n
+        return max(self(nbytes / n), behind)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HandoffFit:
-        return cls(float(d["fixed_s"]), float(d["bytes_per_s"]))
+        return cls(float(d["fixed_s"]), float(d["bytes_per_s"]), int(d.get("stream_layers", 0)))
 
 
 def over_link(local: HandoffFit, gbit_s: float, latency_s: float) -> HandoffFit:

@@ -36,12 +36,18 @@ class StepModel:
         """One packed pass over whole prompts (the prefill role)."""
         return self.prefill(sum(input_lens), sum(n * n for n in input_lens))
 
+    def _loaded_s(self, blocks: int) -> float:
+        """What loading a handed-over prompt of ``blocks`` blocks adds after its pass."""
+        tokens = blocks * self.block_size
+        pass_s = self.prefill(tokens, tokens * tokens) if self.handoff.stream_layers else 0.0
+        return self.handoff.added_after_pass(blocks * self.block_bytes, pass_s)
+
     def engine_step(
         self, out: SchedulerOutput, loaded_blocks: Sequence[int]
     ) -> tuple[float, float]:
         """(prompt part, decode part) of a step that runs ``out`` after loading handed-over KV
         of ``loaded_blocks`` blocks per request; call before the step updates the requests."""
-        decode_s = sum(self.handoff(blocks * self.block_bytes) for blocks in loaded_blocks)
+        decode_s = sum(map(self._loaded_s, loaded_blocks))
         if out.decodes:
             context = sum(map(attrgetter("num_tokens"), out.decodes))
             decode_s += self.decode(len(out.decodes), context)
