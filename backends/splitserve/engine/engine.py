@@ -75,13 +75,7 @@ class Engine:
         """Admit a request whose prompt KV another engine computed and whose first token it
         sampled. ``source.load`` copies that KV in once blocks are free here; if the request
         ends first (on its first token, or aborted while waiting), ``source.discard`` is called."""
-        try:
-            req = self._new_state(request_id, prompt_ids, params)
-        except ValueError:
-            source.discard()
-            raise
-        req.seed = seed
-        req.num_computed = len(prompt_ids)
+        req = self._handed_over(request_id, prompt_ids, params, seed, source)
         state = self.states[request_id]
         state.append(first_token)
         out = state.take()
@@ -106,6 +100,19 @@ class Engine:
         if self.scheduler.puller is None:
             source.discard()
             raise ValueError("streamed KV needs an engine with a puller")
+        req = self._handed_over(request_id, prompt_ids, params, seed, source)
+        self.scheduler.add_prefilled(req, source)
+
+    def _handed_over(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        source: KVSource | StreamedSource,
+    ) -> Request:
+        """The state of a request whose prompt is computed elsewhere (the source discarded if
+        the request is refused)."""
         try:
             req = self._new_state(request_id, prompt_ids, params)
         except ValueError:
@@ -113,7 +120,7 @@ class Engine:
             raise
         req.seed = seed
         req.num_computed = len(prompt_ids)
-        self.scheduler.add_prefilled(req, source)
+        return req
 
     def first_token(self, request_id: str, token: int) -> RequestOutput | None:
         """The first token of a streamed request, sampled by the pass that computed its prompt;
