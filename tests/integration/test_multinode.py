@@ -59,17 +59,17 @@ def servers(
     common = [*server_args(serve_ckpt, tmp), "--transport", "nixl"]
     started: dict[str, Server] = {}
     try:
-        # A mixed fleet: prefill1 streams its KV by layer (the default), prefill0 hands it
-        # over after the pass; the decode server learns which is which.
+        # A mixed fleet: prefill1 streams its KV by layer (the default; here for short prompts
+        # too), prefill0 hands it over after the pass; the decode server learns which is which.
         for name, mode in (
             ("prefill0", "--no-kv-stream-layers"),
-            ("prefill1", "--kv-stream-layers"),
+            ("prefill1", "--kv-stream-layers --param kv_stream_min_tokens=0"),
         ):
             node = cluster[name]
             started[name] = Server(
                 node,
                 tmp / f"{name}.log",
-                [*common, "--role", "prefill", "--advertise-host", node.address, mode,
+                [*common, "--role", "prefill", "--advertise-host", node.address, *mode.split(),
                  "--param", f"lease_ttl_s={LEASE_TTL_S}"],
             )  # fmt: skip
         decode = cluster["decode"]

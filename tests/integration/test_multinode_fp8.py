@@ -54,5 +54,8 @@ def test_kv_crosses_as_fp8_and_every_request_completes(nodes: netns.Cluster) -> 
     moved = values["splitserve_kv_handoff_bytes_total|llm"]
     assert moved > 0 and values["splitserve_kv_handoff_fp8_bytes_total|llm"] == moved
     assert values["splitserve_kv_handoff_failures|llm"] == 0
+    # The prefill server streams by default, but prompts this short (under
+    # kv_stream_min_tokens) it answers whole, after the pass, on the same stream.
+    assert values["splitserve_kv_streamed_requests_total|llm"] == 0
     wait_until(lambda: is_idle(decode, "llm"), 30, "decode idle")
     wait_until(lambda: is_idle(nodes["prefill0"], "prefill"), 30, "prefill idle")

@@ -74,6 +74,10 @@ class ServingConfig:
     """Prefill servers (``--role prefill``, ``nixl``): answer with the KV handle before the
     prompt pass and announce each layer as it is written, so that decode pulls the KV while the
     pass runs (``prefill`` is then a decoupled model). Off: the handle after the pass."""
+    kv_stream_min_tokens: int = 256
+    """With ``kv_stream_layers``: prompts shorter than this are answered whole, after the pass
+    (their transfer is short, and streaming's per-layer work lengthened short passes:
+    BENCHMARKS.md, "Layer-wise KV streaming")."""
     kv_load_failure_policy: str = "recompute"
     """Decode, when a handed-over request's KV cannot be pulled (lease expired, owner gone,
     transfer past its deadline): ``recompute`` its prompt here, or ``fail`` it with
@@ -102,6 +106,8 @@ class ServingConfig:
             )
         if self.kv_transfer_dtype == "fp8" and self.transport != "nixl":
             raise ValueError("kv_transfer_dtype fp8 needs transport nixl (KV across machines)")
+        if self.kv_stream_min_tokens < 0:
+            raise ValueError("kv_stream_min_tokens must be >= 0")
         if self.kv_stream_layers and self.transport != "nixl":
             raise ValueError("kv_stream_layers needs transport nixl (KV across machines)")
         if self.kv_load_failure_policy not in HANDOFF_FAILURE_POLICIES:

@@ -84,6 +84,7 @@ class PrefillModel:
         )
         """Decoupled: the KV streams by layer (``prefill_stream``), else one response at the
         end of the pass."""
+        self.stream_min_tokens = cfg.kv_stream_min_tokens
         if self.streams != cfg.kv_stream_layers:
             raise ValueError("prefill is decoupled exactly when kv_stream_layers is set")
         self.stats = InstanceStats()
@@ -163,15 +164,17 @@ class PrefillModel:
             self._failed(batch, responses, exc)
             return
         for (i, req), token in zip(batch, first, strict=True):
-            handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
-            responses[i] = pb_utils.InferenceResponse(
-                output_tensors=[
-                    pb_utils.Tensor(bls_contract.FIRST_TOKEN, np.array([[token]], dtype=np.int64)),
-                    pb_utils.Tensor(
-                        bls_contract.KV_HANDLE, np.frombuffer(handle, np.uint8)[None, :]
-                    ),
-                ]
-            )
+            responses[i] = self._whole_response(req, token)
+
+    def _whole_response(self, req: Request, token: int) -> Any:
+        """The handle of a prompt's finished KV and its first token, in one response."""
+        handle = self.transport.export(req.request_id, req.block_ids, len(req.prompt_ids))
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor(bls_contract.FIRST_TOKEN, np.array([[token]], dtype=np.int64)),
+                pb_utils.Tensor(bls_contract.KV_HANDLE, np.frombuffer(handle, np.uint8)[None, :]),
+            ]
+        )
 
     def _whole(self, reqs: list[Request]) -> list[int]:
         self.engine.allocate(reqs)
@@ -186,34 +189,42 @@ class PrefillModel:
         self, batch: list[tuple[int, Request]], senders: list[Any], responses: list[Any]
     ) -> None:
         """Lease the blocks and answer with their handles before the pass; announce each layer
-        as it is written; the first tokens go into ``responses`` (sent FINAL by the caller)."""
+        as it is written; the first tokens go into ``responses`` (sent FINAL by the caller).
+        Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass."""
         reqs = [r for _, r in batch]
         self.engine.allocate(reqs)
-        handles = [
-            self.transport.export(r.request_id, r.block_ids, len(r.prompt_ids), streamed=True)
-            for r in reqs
-        ]
-        for sender, handle in zip(senders, handles, strict=True):
-            send(sender, handle_response(handle))
-        blocks = [b for r in reqs for b in r.block_ids]
-        announcer = LayerAnnouncer(senders, self.pool.device)
+        handles = {
+            k: self.transport.export(r.request_id, r.block_ids, len(r.prompt_ids), streamed=True)
+            for k, r in enumerate(reqs)
+            if len(r.prompt_ids) >= self.stream_min_tokens
+        }
+        for k, handle in handles.items():
+            send(senders[k], handle_response(handle))
+        blocks = [b for k in handles for b in reqs[k].block_ids]
+        announcer = LayerAnnouncer([senders[k] for k in handles], self.pool.device)
 
         def written(layer: int) -> None:
             self.transport.publish_layers(blocks, range(layer, layer + 1))
             announcer.written(layer + 1)
 
         try:
-            first = self._pass(reqs, written)
+            first = self._pass(reqs, written if handles else None)
         except Exception as exc:
             self._failed(batch, responses, exc)
-            for handle in handles:  # the leases own the blocks: releasing them frees them
+            for handle in handles.values():  # the leases own those blocks: releasing frees them
                 self.transport.release(handle)
+            for k, req in enumerate(reqs):
+                if k not in handles:
+                    self.engine.free(req)
             return
         finally:
             announcer.close()
         layers = self.pool.layout.num_layers
-        for (i, _), token in zip(batch, first, strict=True):
-            responses[i] = token_response(token, layers)
+        for k, ((i, req), token) in enumerate(zip(batch, first, strict=True)):
+            streamed = k in handles
+            responses[i] = (
+                token_response(token, layers) if streamed else self._whole_response(req, token)
+            )
 
     def finalize(self) -> None:
         self.refresher.stop()
