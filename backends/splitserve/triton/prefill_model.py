@@ -140,10 +140,11 @@ class PrefillModel:
             send(sender, response, FINAL)
         return None
 
-    def _pass(self, reqs: list[Request], written: Callable[[int], None] | None = None) -> list[int]:
+    def _timed(self, compute: Callable[[], list[int]]) -> list[int]:
+        """One prompt pass on this instance's cores, recorded in its stats."""
         with self._computing():
             start, cpu = time.perf_counter(), time.thread_time()
-            first = self.engine.run(reqs, written)
+            first = compute()
             seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
         self.stats.step(seconds, len(first), cpu)
         return first
@@ -159,7 +160,7 @@ class PrefillModel:
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
         try:
-            first = self._whole(reqs)
+            first = self._timed(lambda: self.engine.prefill(reqs))
         except Exception as exc:
             self._failed(batch, responses, exc)
             return
@@ -175,15 +176,6 @@ class PrefillModel:
                 pb_utils.Tensor(bls_contract.KV_HANDLE, np.frombuffer(handle, np.uint8)[None, :]),
             ]
         )
-
-    def _whole(self, reqs: list[Request]) -> list[int]:
-        self.engine.allocate(reqs)
-        try:
-            return self._pass(reqs)
-        except BaseException:
-            for req in reqs:
-                self.engine.free(req)
-            raise
 
     def _stream(
         self, batch: list[tuple[int, Request]], senders: list[Any], responses: list[Any]
@@ -207,8 +199,9 @@ class PrefillModel:
             self.transport.publish_layers(blocks, range(layer, layer + 1))
             announcer.written(layer + 1)
 
+        hook = written if handles else None
         try:
-            first = self._pass(reqs, written if handles else None)
+            first = self._timed(lambda: self.engine.run(reqs, hook))
         except Exception as exc:
             self._failed(batch, responses, exc)
             for handle in handles.values():  # the leases own those blocks: releasing frees them

@@ -57,7 +57,8 @@ class LayerAnnouncer:
         self._sent = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="splitserve-layers", daemon=True)
-        self._thread.start()
+        if self._senders:  # a batch answered whole has nobody to announce to
+            self._thread.start()
 
     def written(self, count: int) -> None:
         """The first ``count`` layers of the batch are written (enqueued, on a GPU)."""
@@ -73,7 +74,8 @@ class LayerAnnouncer:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
