@@ -82,9 +82,12 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     def settled() -> bool:
         now = totals(splitserve_server)
         idle = all(now[(name, m)] == 0 for name in IDLE for m in (*MODELS, "prefill"))
-        count = "splitserve_ttft_seconds_count"
-        # Each instance publishes on its own schedule: wait for every model's counts.
-        return idle and all(now[(count, m)] >= before[(count, m)] + N for m in MODELS)
+        counts = ("splitserve_ttft_seconds_count", "splitserve_tpot_seconds_count")
+        # Each instance publishes on its own schedule, and TPOT is observed when a request ends,
+        # after its TTFT: wait for both counts of every model.
+        return idle and all(
+            now[(count, m)] >= before[(count, m)] + N for count in counts for m in MODELS
+        )
 
     assert wait_for(settled, 5.0), totals(splitserve_server)
     after, invalid_after = totals(splitserve_server), totals(splitserve_server, "invalid")
