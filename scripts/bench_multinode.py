@@ -13,7 +13,7 @@ pass), TTFT, the added time and its fraction of the pass (medians), and the deco
 handoff time per request. With ``--stall``, a greedy stream runs meanwhile and the script prints
 its longest gap between tokens while each prompt's KV crosses. Needs root.
 
-Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10] [--repeats 5]
+Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
      [--modes whole,layerwise,layerwise-fp8]
 """
 
@@ -182,8 +182,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
+        # A 4k prompt's KV takes ~8 s at 0.05 Gbit/s: the pull deadline (10 s) must not bind.
         decode_server = start(decode, [*common, "--role", "decode", "--advertise-host",
-                                       decode.address, f"--prefill-url={prefill.address}:8001"],
+                                       decode.address, f"--prefill-url={prefill.address}:8001",
+                                       "--param", "kv_transfer_timeout_s=60"],
                               work / "decode.log")  # fmt: skip
         try:
             for mode in modes:

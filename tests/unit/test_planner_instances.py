@@ -5,6 +5,7 @@ shows up in simulated time."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -110,3 +111,20 @@ def test_handed_over_kv_waits_for_blocks_and_is_released_when_loaded() -> None:
     assert released[2] >= min(sims[0].last, sims[1].last) > sims[2].first
     assert [decodes for decodes, _ in steps[:2]] == [["0"], ["0", "1"]]
     assert all(math.isfinite(s.last) for s in sims)
+
+
+def test_a_streamed_handoff_overlaps_the_pass_of_the_role_that_ran_it() -> None:
+    link = HandoffFit(1e-3, 1.25e6, stream_layers=4)  # slower than either pass writes KV
+    own = replace(MODEL, handoff=link)
+    # The pass ran on a prefill instance twice as fast as this (decode) instance's own fit.
+    fast = PrefillFit(0.005, 0.5e-4, 0.0)
+    sourced = replace(own, source_prefill=fast)
+    blocks, tokens = 8, 8 * 16
+    nbytes = blocks * MODEL.block_bytes
+    assert own.loaded_s(blocks) == pytest.approx(
+        link.added_after_pass(nbytes, MODEL.prefill(tokens, tokens * tokens))
+    )
+    assert sourced.loaded_s(blocks) == pytest.approx(
+        link.added_after_pass(nbytes, fast(tokens, tokens * tokens))
+    )
+    assert sourced.loaded_s(blocks) > own.loaded_s(blocks)  # a shorter pass hides less

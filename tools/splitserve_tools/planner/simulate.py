@@ -90,10 +90,12 @@ class SimResult:
         return attainment(self.ttft, self.tpot, np.isfinite(self.e2e), SLO(ttft_slo, tpot_slo))
 
 
-def step_model(profile: Profile, role: Role) -> StepModel:
-    """The step times of one of ``role``'s instances. On CPUs a streamed token costs a step
-    its serving cost once per core: that work (the sender thread, tritonserver, the client)
-    preempts one thread of the instance's OpenMP team while the others wait at the barrier."""
+def step_model(profile: Profile, role: Role, source: Role | None = None) -> StepModel:
+    """The step times of one of ``role``'s instances, whose handed-over KV comes from passes
+    on ``source``'s instances (a disaggregated decode role's prefill role). On CPUs a streamed
+    token costs a step its serving cost once per core: that work (the sender thread,
+    tritonserver, the client) preempts one thread of the instance's OpenMP team while the
+    others wait at the barrier."""
     unit = profile.unit(role.units)
     per_core = role.units if profile.device == "cpu" else 1
     return StepModel(
@@ -103,6 +105,7 @@ def step_model(profile: Profile, role: Role) -> StepModel:
         kv_bytes_per_token=profile.shape.kv_bytes_per_token,
         block_size=profile.shape.block_size,
         token_s=profile.serving.token_s * per_core,
+        source_prefill=None if source is None else profile.unit(source.units).prefill,
     )
 
 
@@ -133,7 +136,14 @@ def simulate(
         assert placement.prefill is not None and placement.decode is not None
         decode = placement.decode
         decoders = [
-            EngineInstance(clock, machine, decode.units, step_model(profile, decode), lim, blocks)
+            EngineInstance(
+                clock,
+                machine,
+                decode.units,
+                step_model(profile, decode, placement.prefill),
+                lim,
+                blocks,
+            )
             for _ in range(decode.instances)
         ]
         owner: dict[int, EngineInstance] = {}

@@ -27,6 +27,10 @@ class StepModel:
     block_size: int
     token_s: float
     """Serving cost of one streamed token, charged to the step that samples it."""
+    source_prefill: PrefillFit | None = None
+    """The prefill fit of the passes that hand KV to this instance (a disaggregated decode
+    instance's prefill role, whose units may differ): what a streamed handoff overlaps.
+    None: this instance's own."""
 
     @property
     def block_bytes(self) -> int:
@@ -36,10 +40,12 @@ class StepModel:
         """One packed pass over whole prompts (the prefill role)."""
         return self.prefill(sum(input_lens), sum(n * n for n in input_lens))
 
-    def _loaded_s(self, blocks: int) -> float:
+    def loaded_s(self, blocks: int) -> float:
         """What loading a handed-over prompt of ``blocks`` blocks adds after its pass."""
         tokens = blocks * self.block_size
-        pass_s = self.prefill(tokens, tokens * tokens) if self.handoff.stream_layers else 0.0
+        pass_s = 0.0
+        if self.handoff.stream_layers:
+            pass_s = (self.source_prefill or self.prefill)(tokens, tokens * tokens)
         return self.handoff.added_after_pass(blocks * self.block_bytes, pass_s)
 
     def engine_step(
@@ -47,7 +53,7 @@ class StepModel:
     ) -> tuple[float, float]:
         """(prompt part, decode part) of a step that runs ``out`` after loading handed-over KV
         of ``loaded_blocks`` blocks per request; call before the step updates the requests."""
-        decode_s = sum(map(self._loaded_s, loaded_blocks))
+        decode_s = sum(map(self.loaded_s, loaded_blocks))
         if out.decodes:
             context = sum(map(attrgetter("num_tokens"), out.decodes))
             decode_s += self.decode(len(out.decodes), context)

@@ -1,0 +1,96 @@
+"""The planner's handoff model against the cross-node table: predicted vs measured time until
+decode holds a prompt's KV, per transfer mode, link rate and prompt length.
+
+Inputs, all from one sitting: a profile of the checkpoint (`splitserve plan profile`, the
+prefill server's cores), the link's handoff rows (`scripts/bench_link.py --json`, raw and fp8
+encodings at the table's rates) and the table itself (`scripts/bench_multinode.py --json`).
+Per cell the planner prices what the simulator charges a lone request: the prompt pass (the
+profile's prefill fit on ``--cores``), the serving overhead before the first token (the
+profile's ``request_s``) and what loading the KV adds after the pass
+(``StepModel.loaded_s``: the whole transfer, or for a streamed handoff what the pass did not
+hide), with the link fitted to that rate and encoding. Measured: the pass (prefill's busy
+seconds per pass), TTFT, and the added time (first-to-second token gap less a decode step).
+Compared: "ready" = TTFT + added, the time at which decode can run the request's first step.
+
+  python scripts/plan_handoff_validate.py --model .cache/ckpt-100m-4k --profile P.json \
+      --link-json link.json --bench multinode.json [--cores 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from splitserve_tools.planner.fit import link_fit
+from splitserve_tools.planner.placement import Role
+from splitserve_tools.planner.profile import Profile
+from splitserve_tools.planner.simulate import step_model
+
+TOLERANCE = 0.15
+
+
+def predict(
+    profile: Profile, link: list[dict[str, Any]], row: dict[str, Any], cores: int, layers: int
+) -> dict[str, float]:
+    """What the planner charges one request of ``row``'s cell, unloaded."""
+    encoding = "fp8" if row["mode"].endswith("fp8") else "raw"
+    handoff = link_fit(link, row["rate_gbit"], encoding)
+    if row["mode"].startswith("layerwise"):
+        handoff = replace(handoff, stream_layers=layers)
+    role = Role(1, cores)
+    model = replace(step_model(profile, role, role), handoff=handoff)
+    tokens = int(row["tokens"])
+    pass_s = model.prompt_pass([tokens])
+    added_s = model.loaded_s(-(-tokens // model.block_size))
+    ttft_s = profile.serving.request_s + pass_s
+    return {"pass_s": pass_s, "ttft_s": ttft_s, "added_s": added_s, "ready_s": ttft_s + added_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="the checkpoint (its layer count)")
+    ap.add_argument("--profile", type=Path, required=True)
+    ap.add_argument("--link-json", type=Path, required=True)
+    ap.add_argument("--bench", type=Path, required=True)
+    ap.add_argument("--cores", type=int, default=2, help="the prefill server's cores")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    layers = int(json.loads((args.model / "config.json").read_text())["num_hidden_layers"])
+    profile = Profile.load(args.profile)
+    link = json.loads(args.link_json.read_text())
+    rows = [r for r in json.loads(args.bench.read_text()) if "tokens" in r]
+    print(
+        f"{'mode':>13} {'link':>9} {'tokens':>6}  {'pass ms (pred/meas)':>19}  "
+        f"{'added ms (pred/meas)':>20}  {'ready ms (pred/meas)':>20}  ready pred/meas"
+    )
+    out = []
+    for row in rows:
+        pred = predict(profile, link, row, args.cores, layers)
+        ready = row["ttft_s"] + row["added_s"]
+        ratio = pred["ready_s"] / ready
+        rate = "unlimited" if row["rate_gbit"] is None else f"{row['rate_gbit']:g} Gb/s"
+        print(
+            f"{row['mode']:>13} {rate:>9} {row['tokens']:>6}  "
+            f"{pred['pass_s'] * 1e3:8.1f} / {row['pass_s'] * 1e3:8.1f}  "
+            f"{pred['added_s'] * 1e3:9.1f} / {row['added_s'] * 1e3:8.1f}  "
+            f"{pred['ready_s'] * 1e3:9.1f} / {ready * 1e3:8.1f}  {ratio:6.3f}",
+            flush=True,
+        )
+        out.append({**row, "predicted": pred, "ready_s": ready, "ready_ratio": ratio})
+    errors = [abs(r["ready_ratio"] - 1) for r in out]
+    within = sum(e <= TOLERANCE for e in errors)
+    print(
+        f"ready time within {TOLERANCE:.0%}: {within} of {len(out)} cells; error median "
+        f"{statistics.median(errors):.1%}, worst {max(errors):.1%}"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
