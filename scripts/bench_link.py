@@ -54,12 +54,14 @@ def handoffs(cluster: netns.Cluster, repeats: int, encoding: str) -> list[dict[s
             raise RuntimeError("the link owner did not start")
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "link.json"
-            reader_node.run(
+            done = reader_node.run(
                 [str(SPLITSERVE), "plan", "link", "measure",
                  f"tcp://{owner_node.address}:{PORT}", "--repeats", str(repeats),
                  "--host", reader_node.address, "--out", str(out)],
-                env=env, timeout=600,
+                env=env, timeout=600, check=False,
             )  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"plan link measure ({encoding}) failed:\n{done.stderr[-3000:]}")
             rows: list[dict[str, Any]] = json.loads(out.read_text())
             return rows
     finally:

@@ -73,9 +73,10 @@ def cmd_link_measure(args: argparse.Namespace) -> None:
         args.address, _key(args), lengths=args.lengths, repeats=args.repeats, host=args.host,
         progress=show,
     )  # fmt: skip
-    fit = link_fit(rows, None)
+    encoding = rows[0]["encoding"]  # the owner's: one per `plan link serve`
+    fit = link_fit(rows, None, encoding)
     print(
-        f"handoff across the link: {fit.fixed_s * 1e3:.2f} ms + bytes at "
+        f"{encoding} handoff across the link: {fit.fixed_s * 1e3:.2f} ms + bytes at "
         f"{fit.bytes_per_s * 8 / 1e9:.2f} Gbit/s"
     )
     if args.out is not None:
