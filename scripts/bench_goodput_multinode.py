@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 from bench_common import checkpoint
 from bench_multinode import MODES, SPLITSERVE, counters, per_event, start
-from link_ceiling import netns
+from link_ceiling import exit_on_sigterm, netns
 
 MAX_MODEL_LEN = 2048
 HANDOFF = ("kv_handoff_seconds_total", "kv_handoffs_total")
@@ -120,6 +121,7 @@ def main() -> None:
         sys.exit(f"bench_goodput_multinode: unknown modes {unknown} (of {list(MODES)})")
     if (reason := netns.available()) is not None:
         sys.exit(f"bench_goodput_multinode: {reason}")
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     model = checkpoint(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-multinode-"))

@@ -7,11 +7,11 @@ pass, ``layerwise`` streams it by layer during the pass, ``-fp8`` adds the fp8 e
 rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by default), prompts are
 sent one at a time from inside the decode node. The first token streams as soon as prefill
 samples it; decoding starts once the KV is in, so what the transfer adds to the time a user
-waits is the first-to-second token gap less one decode step (the second-to-third gap, taken
-from the same request). Printed per cell: the prompt pass (prefill's own busy seconds per
-pass), TTFT, the added time and its fraction of the pass (medians), and the decode server's
-handoff time per request. With ``--stall``, a greedy stream runs meanwhile and the script prints
-its longest gap between tokens while each prompt's KV crosses. Needs root.
+waits is the first-to-second token gap less one decode step (the median gap between the
+request's later tokens; it asks for 8). Printed per cell: the prompt pass (prefill's own busy
+seconds per pass), TTFT, the added time and its fraction of the pass (medians), and the decode
+server's handoff time per request. With ``--stall``, a greedy stream runs meanwhile and the
+script prints its longest gap between tokens while each prompt's KV crosses. Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
      [--modes whole,layerwise,layerwise-fp8]
@@ -20,6 +20,7 @@ Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--rep
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +40,8 @@ CLIENT = Path(__file__).resolve().parents[1] / "tests" / "integration" / "multin
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
 LENGTHS = (128, 1024, 4096)
 MAX_MODEL_LEN = 4352
+TOKENS = 8
+"""Tokens per timed request: the gaps after the second give its decode step."""
 MODES = {
     "whole": ["--no-kv-stream-layers"],
     "whole-fp8": ["--no-kv-stream-layers", "--kv-transfer-dtype", "fp8"],
@@ -118,9 +121,12 @@ def measure(
     busy = ("engine_busy_seconds_total", "engine_steps_total")
     handoff = ("kv_handoff_seconds_total", "kv_handoffs_total")
     before = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
-    stamps = run_client(decode, "timing", "127.0.0.1:8001", str(prompts))[1:]
+    stamps = run_client(decode, "timing", "127.0.0.1:8001", str(prompts), str(TOKENS))[1:]
     after = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
-    added = statistics.median((t[1] - t[0]) - (t[2] - t[1]) for t in stamps)
+    # A decode step: the median gap after the second token. One gap alone misleads: two
+    # responses sometimes reach the client together, a gap of ~0.
+    steps = [statistics.median(b - a for a, b in itertools.pairwise(t[1:])) for t in stamps]
+    added = statistics.median(t[1] - t[0] - step for t, step in zip(stamps, steps, strict=True))
     pass_s = per_event(before[0], after[0])
     return {
         "mode": mode,
@@ -129,7 +135,7 @@ def measure(
         "pass_s": pass_s,
         "ttft_s": statistics.median(t[0] for t in stamps),
         "second_token_s": statistics.median(t[1] - t[0] for t in stamps),
-        "step_s": statistics.median(t[2] - t[1] for t in stamps),
+        "step_s": statistics.median(steps),
         "added_s": added,
         "added_of_pass": added / pass_s,
         "handoff_s": per_event(before[1], after[1]),

@@ -85,7 +85,7 @@ def parse_rates(text: str) -> list[float | None]:
     return [None if r.strip() == "unlimited" else float(r) for r in text.split(",")]
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+def exit_on_sigterm(signum: int, frame: object) -> NoReturn:
     # SystemExit unwinds through the Cluster's context manager: namespaces are removed.
     raise SystemExit(128 + signum)
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"network namespaces unusable here: {reason}")
         return 2
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     tool = "python" if args.python else "iperf3"
     print(f"{'set Gbit/s':>12} {'measured Gbit/s':>16} {'of set':>8}  tool")
     with netns.Cluster(["prefill0", "decode"]) as cluster:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from splitserve.serving.serving_config import ServingConfig
 from splitserve_tools.planner.fit import link_fit
 from splitserve_tools.planner.placement import Role
 from splitserve_tools.planner.profile import Profile
@@ -40,7 +41,8 @@ def predict(
     encoding = "fp8" if row["mode"].endswith("fp8") else "raw"
     handoff = link_fit(link, row["rate_gbit"], encoding)
     if row["mode"].startswith("layerwise"):
-        handoff = replace(handoff, stream_layers=layers)
+        least = ServingConfig.kv_stream_min_tokens  # the bench's prefill servers' default
+        handoff = replace(handoff, stream_layers=layers, stream_min_tokens=least)
     role = Role(1, cores)
     model = replace(step_model(profile, role, role), handoff=handoff)
     tokens = int(row["tokens"])

@@ -116,16 +116,16 @@ def openai_completion(base: str, prompt: str, max_tokens: int) -> Any:
         return json.loads(response.read())
 
 
-def timing(url: str, prompts: list[str]) -> list[list[float]]:
-    """Per prompt, sent one at a time: seconds to the first, second and third token."""
-    sampling = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+def timing(url: str, prompts: list[str], tokens: int) -> list[list[float]]:
+    """Per prompt, sent one at a time: seconds to each of its ``tokens`` tokens."""
+    sampling = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     out = []
     with GrpcStream(url) as stream:
         for prompt in prompts:
             sent = time.perf_counter()
             stream.send(MODEL, generate_inputs(prompt, stream=True, sampling=sampling))
             stamps = []
-            for _ in range(3):
+            for _ in range(tokens):
                 _, error = stream.next(120.0)
                 if error is not None:
                     raise error
@@ -204,7 +204,7 @@ def main(argv: list[str]) -> Any:
         return gauges(args[0])
     if cmd == "timing":
         with open(args[1]) as f:
-            return timing(args[0], json.load(f))
+            return timing(args[0], json.load(f), int(args[2]))
     if cmd == "stall":
         with open(args[2]) as f:
             return stall(args[0], args[1], json.load(f))

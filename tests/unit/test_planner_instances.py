@@ -128,3 +128,15 @@ def test_a_streamed_handoff_overlaps_the_pass_of_the_role_that_ran_it() -> None:
         link.added_after_pass(nbytes, fast(tokens, tokens * tokens))
     )
     assert sourced.loaded_s(blocks) > own.loaded_s(blocks)  # a shorter pass hides less
+
+
+def test_prompts_under_the_stream_threshold_move_after_the_pass() -> None:
+    link = HandoffFit(1e-3, 1.25e6, stream_layers=4, stream_min_tokens=256)
+    model = replace(MODEL, handoff=link)
+    short, long = 8, 32  # blocks of 16 tokens: 128 and 512 tokens
+    assert model.loaded_s(short) == pytest.approx(link(short * MODEL.block_bytes))
+    tokens = long * MODEL.block_size
+    assert model.loaded_s(long) == pytest.approx(
+        link.added_after_pass(long * MODEL.block_bytes, MODEL.prefill(tokens, tokens * tokens))
+    )
+    assert HandoffFit.from_dict(link.to_dict()) == link

@@ -117,10 +117,19 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
     if args.kv_stream_layers:
         from dataclasses import replace
 
-        profile = replace(
-            profile, handoff=replace(profile.handoff, stream_layers=args.kv_stream_layers)
+        from splitserve.serving.serving_config import ServingConfig
+
+        least = args.kv_stream_min_tokens
+        if least is None:
+            least = ServingConfig.kv_stream_min_tokens
+        handoff = replace(
+            profile.handoff, stream_layers=args.kv_stream_layers, stream_min_tokens=least
         )
-        print(f"the KV streams by layer during the pass ({args.kv_stream_layers} layers)")
+        profile = replace(profile, handoff=handoff)
+        print(
+            f"the KV streams by layer during the pass ({args.kv_stream_layers} layers; prompts "
+            f"under {least} tokens after it)"
+        )
     budgets = args.cores or args.gpus
     if (args.cores is not None) != (profile.device == "cpu"):
         raise SystemExit(
@@ -320,6 +329,12 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="LAYERS",
         help="price a handoff streamed by layer during the pass (prefill servers' default), "
         "LAYERS the model's num_hidden_layers; 0: after the pass",
+    )
+    s.add_argument(
+        "--kv-stream-min-tokens",
+        type=int,
+        help="with --kv-stream-layers: shorter prompts move after the pass (default: the "
+        "prefill server's default kv_stream_min_tokens)",
     )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")

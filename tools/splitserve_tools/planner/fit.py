@@ -119,6 +119,13 @@ class HandoffFit:
     stream_layers: int = 0
     """0: the KV moves after the prompt pass; else it streams during the pass, one transfer per
     layer of this many (prefill servers with ``kv_stream_layers``)."""
+    stream_min_tokens: int = 0
+    """With ``stream_layers``: prompts shorter than this move after the pass all the same
+    (the prefill server's ``kv_stream_min_tokens``)."""
+
+    def streams(self, tokens: int) -> bool:
+        """Whether a prompt of ``tokens`` tokens streams its KV during the pass."""
+        return bool(self.stream_layers) and tokens >= self.stream_min_tokens
 
     def __call__(self, nbytes: float) -> float:
         return self.fixed_s + nbytes / self.bytes_per_s
@@ -138,7 +145,12 @@ class HandoffFit:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HandoffFit:
-        return cls(float(d["fixed_s"]), float(d["bytes_per_s"]), int(d.get("stream_layers", 0)))
+        return cls(
+            float(d["fixed_s"]),
+            float(d["bytes_per_s"]),
+            int(d.get("stream_layers", 0)),
+            int(d.get("stream_min_tokens", 0)),
+        )
 
 
 def over_link(local: HandoffFit, gbit_s: float, latency_s: float) -> HandoffFit:

@@ -41,12 +41,14 @@ class StepModel:
         return self.prefill(sum(input_lens), sum(n * n for n in input_lens))
 
     def loaded_s(self, blocks: int) -> float:
-        """What loading a handed-over prompt of ``blocks`` blocks adds after its pass."""
+        """What loading a handed-over prompt of ``blocks`` blocks adds after its pass (its
+        length taken as whole blocks)."""
         tokens = blocks * self.block_size
-        pass_s = 0.0
-        if self.handoff.stream_layers:
-            pass_s = (self.source_prefill or self.prefill)(tokens, tokens * tokens)
-        return self.handoff.added_after_pass(blocks * self.block_bytes, pass_s)
+        nbytes = blocks * self.block_bytes
+        if not self.handoff.streams(tokens):
+            return self.handoff(nbytes)
+        pass_s = (self.source_prefill or self.prefill)(tokens, tokens * tokens)
+        return self.handoff.added_after_pass(nbytes, pass_s)
 
     def engine_step(
         self, out: SchedulerOutput, loaded_blocks: Sequence[int]
