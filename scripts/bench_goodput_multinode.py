@@ -14,7 +14,7 @@ request over the whole search); written under ``--out``: each run's report, ``su
 
 Run: python scripts/bench_goodput_multinode.py --out out/goodput_multinode [--rate-gbit 1]
      [--modes whole,layerwise,layerwise-fp8] [--workloads chatbot,summarization]
-     [-- <extra `splitserve bench` flags, e.g. --num-requests 150 --max-probes 5>]
+     [-- <extra `splitserve bench` flags, e.g. --max-probes 4 --ttft-slo 3 --tpot-slo 0.1>]
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from link_ceiling import exit_on_sigterm, netns
 MAX_MODEL_LEN = 2048
 HANDOFF = ("kv_handoff_seconds_total", "kv_handoffs_total")
 WORKLOAD_FLAGS = {
-    "chatbot": ["--rate-min", "2", "--rate-max", "32"],
-    "summarization": ["--rate-min", "0.5", "--rate-max", "8"],
+    "chatbot": ["--num-requests", "80", "--rate-min", "1.5", "--rate-max", "12"],
+    "summarization": ["--num-requests", "30", "--rate-min", "0.3", "--rate-max", "2.4"],
 }
-"""Where each workload's search starts and stops (overridable after ``--``)."""
+"""Requests per probe and where each workload's search starts and stops on a 2-core machine
+(overridable after ``--``): a summarization probe at 0.3 req/s lasts 100 s."""
 
 
 def bench(
