@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import checkpoint
-from bench_multinode import MODES, SPLITSERVE, counters, per_event, start
+from bench_multinode import MODES, SPLITSERVE, counters, per_event, server_args, start
 from link_ceiling import exit_on_sigterm, netns
 
 MAX_MODEL_LEN = 2048
@@ -126,11 +125,7 @@ def main() -> None:
     model = checkpoint(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-multinode-"))
-    key = work / "handle.key"
-    key.write_text(os.urandom(32).hex() + "\n")
-    key.chmod(0o600)
-    common = ["--model", model, "--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN),
-              "--key-file", str(key)]  # fmt: skip
+    common = server_args(model, args.dtype, MAX_MODEL_LEN, work)
     rows: dict[str, list[dict[str, Any]]] = {w: [] for w in workloads}
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]

@@ -78,6 +78,15 @@ def per_event(before: list[float], after: list[float]) -> float:
     return (after[0] - before[0]) / max(after[1] - before[1], 1)
 
 
+def server_args(model: str, dtype: str, max_model_len: int, work: Path) -> list[str]:
+    """The flags both servers share, with a fresh handle key under ``work``."""
+    key = work / "handle.key"
+    key.write_text(os.urandom(32).hex() + "\n")
+    key.chmod(0o600)
+    return ["--model", model, "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--key-file", str(key)]  # fmt: skip
+
+
 def start(node: netns.Node, args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "UCX_TLS": "tcp"}
     with log.open("wb") as out:
@@ -176,11 +185,7 @@ def main() -> None:
     model = checkpoint(args.model)
     tokenizer = tokenizer_for(model)
     work = Path(tempfile.mkdtemp(prefix="bench-multinode-"))
-    key = work / "handle.key"
-    key.write_text(os.urandom(32).hex() + "\n")
-    key.chmod(0o600)
-    common = ["--model", model, "--dtype", args.dtype, "--max-model-len", str(MAX_MODEL_LEN),
-              "--key-file", str(key)]  # fmt: skip
+    common = server_args(model, args.dtype, MAX_MODEL_LEN, work)
     prompts = {}
     for length in LENGTHS:
         prompts[length] = work / f"prompts-{length}.json"
