@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import checkpoint
-from bench_multinode import MODES, SPLITSERVE, counters, per_event, server_args, start
+from bench_multinode import MODES, SPLITSERVE, counters, per_event, server_args, serving
 from link_ceiling import exit_on_sigterm, netns
 
 MAX_MODEL_LEN = 2048
@@ -131,17 +131,15 @@ def main() -> None:
         prefill, decode = cluster["prefill0"], cluster["decode"]
         for node in cluster:
             netns.set_rate(node, args.rate_gbit)
-        decode_server = start(decode, [*common, "--role", "decode", "--decode-cores",
-                                       args.decode_cores, "--advertise-host", decode.address,
-                                       f"--prefill-url={prefill.address}:8001"],
-                              work / "decode.log")  # fmt: skip
-        try:
+        decode_args = [*common, "--role", "decode", "--decode-cores", args.decode_cores,
+                       "--advertise-host", decode.address,
+                       f"--prefill-url={prefill.address}:8001"]  # fmt: skip
+        with serving(decode, decode_args, work / "decode.log"):
             for mode in modes:
                 print(f"\n== {mode} (prefill restarted) ==", flush=True)
-                server = start(prefill, [*common, "--role", "prefill", "--prefill-cores",
-                                         args.prefill_cores, "--advertise-host", prefill.address,
-                                         *MODES[mode]], work / f"prefill-{mode}.log")  # fmt: skip
-                try:
+                with serving(prefill, [*common, "--role", "prefill", "--prefill-cores",
+                                       args.prefill_cores, "--advertise-host", prefill.address,
+                                       *MODES[mode]], work / f"prefill-{mode}.log"):  # fmt: skip
                     for workload in workloads:
                         print(f"-- {workload}, {mode}", flush=True)
                         report = args.out / f"{workload}-{mode}.json"
@@ -155,12 +153,6 @@ def main() -> None:
                             "handoff_s": per_event(before, after),
                             "report": str(report),
                         })  # fmt: skip
-                finally:
-                    server.terminate()
-                    server.wait(60)
-        finally:
-            decode_server.terminate()
-            decode_server.wait(60)
     for workload, got in rows.items():
         table(workload, got)
         plot(workload, got, args.out)

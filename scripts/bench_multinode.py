@@ -24,10 +24,11 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +88,22 @@ def server_args(model: str, dtype: str, max_model_len: int, work: Path) -> list[
             "--key-file", str(key)]  # fmt: skip
 
 
-def start(node: netns.Node, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+@contextmanager
+def serving(node: netns.Node, args: list[str], log: Path) -> Iterator[None]:
+    """`splitserve serve ARGS` in ``node``, ready, for the ``with`` block; stopped after it."""
     env = {**os.environ, "UCX_TLS": "tcp"}
     with log.open("wb") as out:
         proc = node.popen([str(SPLITSERVE), "serve", *args], env=env, stdout=out, stderr=out)
-    deadline = time.monotonic() + 600
-    while not run_client(node, "ready", "http://127.0.0.1:8000"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"{node.name} did not start: {log}")
-        time.sleep(2)
-    return proc
+    try:
+        deadline = time.monotonic() + 600
+        while not run_client(node, "ready", "http://127.0.0.1:8000"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"{node.name} did not start: {log}")
+            time.sleep(2)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def stall_row(
@@ -194,16 +201,14 @@ def main() -> None:
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
         # A 4k prompt's KV takes ~8 s at 0.05 Gbit/s: the pull deadline (10 s) must not bind.
-        decode_server = start(decode, [*common, "--role", "decode", "--advertise-host",
-                                       decode.address, f"--prefill-url={prefill.address}:8001",
-                                       "--param", "kv_transfer_timeout_s=60"],
-                              work / "decode.log")  # fmt: skip
-        try:
+        decode_args = [*common, "--role", "decode", "--advertise-host", decode.address,
+                       f"--prefill-url={prefill.address}:8001",
+                       "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
+        with serving(decode, decode_args, work / "decode.log"):
             for mode in modes:
-                server = start(prefill, [*common, "--role", "prefill", "--advertise-host",
-                                         prefill.address, *MODES[mode]],
-                               work / f"prefill-{mode}.log")  # fmt: skip
-                try:
+                with serving(prefill, [*common, "--role", "prefill", "--advertise-host",
+                                       prefill.address, *MODES[mode]],
+                             work / f"prefill-{mode}.log"):  # fmt: skip
                     for rate in parse_rates(args.rates):
                         for node in cluster:
                             netns.set_rate(node, rate)
@@ -212,12 +217,6 @@ def main() -> None:
                             report(rows[-1])
                         if args.stall:
                             rows.append(stall_row(decode, tokenizer, rate, args.repeats, work))
-                finally:
-                    server.terminate()
-                    server.wait(60)
-        finally:
-            decode_server.terminate()
-            decode_server.wait(60)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -43,8 +43,7 @@ def predict(
     if row["mode"].startswith("layerwise"):
         least = ServingConfig.kv_stream_min_tokens  # the bench's prefill servers' default
         handoff = replace(handoff, stream_layers=layers, stream_min_tokens=least)
-    role = Role(1, cores)
-    model = replace(step_model(profile, role, role), handoff=handoff)
+    model = step_model(replace(profile, handoff=handoff), Role(1, cores))
     tokens = int(row["tokens"])
     pass_s = model.prompt_pass([tokens])
     added_s = model.loaded_s(-(-tokens // model.block_size))
