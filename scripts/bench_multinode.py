@@ -14,7 +14,7 @@ server's handoff time per request. With ``--stall``, a greedy stream runs meanwh
 script prints its longest gap between tokens while each prompt's KV crosses. Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
-     [--modes whole,layerwise,layerwise-fp8]
+     [--modes whole,layerwise,layerwise-fp8] [--lengths 128,1024,4096]
 """
 
 from __future__ import annotations
@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--modes", default="whole,layerwise,layerwise-fp8", help=f"of {list(MODES)}")
     ap.add_argument(
+        "--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths, in tokens"
+    )
+    ap.add_argument(
         "--stall",
         action="store_true",
         help="also: a stream's longest token gap while 4k-token prompts are handed over",
@@ -194,7 +197,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-multinode-"))
     common = server_args(model, args.dtype, MAX_MODEL_LEN, work)
     prompts = {}
-    for length in LENGTHS:
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if max(lengths) >= MAX_MODEL_LEN:
+        sys.exit(f"bench_multinode: prompts must be shorter than {MAX_MODEL_LEN} tokens")
+    for length in lengths:
         prompts[length] = work / f"prompts-{length}.json"
         prompts[length].write_text(json.dumps(exact_prompts(tokenizer, args.repeats + 1, length)))
     rows: list[dict[str, Any]] = []
@@ -212,7 +218,7 @@ def main() -> None:
                     for rate in parse_rates(args.rates):
                         for node in cluster:
                             netns.set_rate(node, rate)
-                        for length in LENGTHS:
+                        for length in lengths:
                             rows.append(measure(cluster, mode, rate, length, prompts[length]))
                             report(rows[-1])
                         if args.stall:

@@ -12,8 +12,14 @@ hide), with the link fitted to that rate and encoding. Measured: the pass (prefi
 seconds per pass), TTFT, and the added time (first-to-second token gap less a decode step).
 Compared: "ready" = TTFT + added, the time at which decode can run the request's first step.
 
+With ``--calibration``, the served pass (its factor over the profiled one, whole and while it
+streams) and the time per request before the pass are first fitted to another such table
+(``splitserve_tools.planner.served_pass``), which should share no prompt length with
+``--bench``; ``--out-profile`` saves the profile so calibrated (for ``plan search``).
+
   python scripts/plan_handoff_validate.py --model .cache/ckpt-100m-4k --profile P.json \
-      --link-json link.json --bench multinode.json [--cores 2] [--json out.json]
+      --link-json link.json --bench multinode.json [--calibration cal.json] [--cores 2] \
+      [--json out.json] [--out-profile P2.json]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from splitserve.serving.serving_config import ServingConfig
 from splitserve_tools.planner.fit import link_fit
 from splitserve_tools.planner.placement import Role
 from splitserve_tools.planner.profile import Profile
+from splitserve_tools.planner.served_pass import Cell, fit_served_pass
 from splitserve_tools.planner.simulate import step_model
 
 TOLERANCE = 0.15
@@ -51,17 +58,36 @@ def predict(
     return {"pass_s": pass_s, "ttft_s": ttft_s, "added_s": added_s, "ready_s": ttft_s + added_s}
 
 
+def calibrated(profile: Profile, rows: list[dict[str, Any]], cores: int) -> Profile:
+    least = ServingConfig.kv_stream_min_tokens
+    cells = [Cell.from_row(r, least) for r in rows if "tokens" in r]
+    serving = fit_served_pass(profile.serving, profile.unit(cores).prefill, cells)
+    print(
+        f"calibrated on {len(cells)} cells ({sorted({c.tokens for c in cells})} tokens): a "
+        f"served pass {serving.pass_factor:.3f}x the profiled one, "
+        f"{serving.stream_pass_factor:.3f}x that while it streams; "
+        f"{serving.request_s * 1e3:.1f} ms per request before the pass"
+    )
+    return replace(profile, serving=serving)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="the checkpoint (its layer count)")
     ap.add_argument("--profile", type=Path, required=True)
     ap.add_argument("--link-json", type=Path, required=True)
     ap.add_argument("--bench", type=Path, required=True)
+    ap.add_argument("--calibration", type=Path, help="a bench_multinode.py table to fit to")
     ap.add_argument("--cores", type=int, default=2, help="the prefill server's cores")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--out-profile", type=Path, help="save the calibrated profile here")
     args = ap.parse_args()
     layers = int(json.loads((args.model / "config.json").read_text())["num_hidden_layers"])
     profile = Profile.load(args.profile)
+    if args.calibration:
+        profile = calibrated(profile, json.loads(args.calibration.read_text()), args.cores)
+        if args.out_profile:
+            profile.save(args.out_profile)
     link = json.loads(args.link_json.read_text())
     rows = [r for r in json.loads(args.bench.read_text()) if "tokens" in r]
     print(

@@ -140,3 +140,17 @@ def test_prompts_under_the_stream_threshold_move_after_the_pass() -> None:
         link.added_after_pass(long * MODEL.block_bytes, MODEL.prefill(tokens, tokens * tokens))
     )
     assert HandoffFit.from_dict(link.to_dict()) == link
+
+
+def test_served_pass_factors_stretch_passes_and_a_streamed_one_again() -> None:
+    link = HandoffFit(1e-3, 1.25e6, stream_layers=4, stream_min_tokens=256)
+    model = replace(MODEL, handoff=link, pass_factor=1.1, stream_pass_factor=1.2)
+    for n, factor in ((128, 1.1), (512, 1.1 * 1.2)):
+        assert model.prompt_pass([n]) == pytest.approx(factor * MODEL.prefill(n, n * n))
+    assert model.prompt_pass([128, 512]) == pytest.approx(
+        1.1 * 1.2 * MODEL.prefill(640, 128**2 + 512**2)
+    )
+    tokens = 32 * MODEL.block_size  # streamed: what the handoff overlaps is the stretched pass
+    assert model.loaded_s(32) == pytest.approx(
+        link.added_after_pass(32 * MODEL.block_bytes, model.prompt_pass([tokens]))
+    )

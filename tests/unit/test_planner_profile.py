@@ -45,7 +45,7 @@ def synthetic_profile(
 
 
 def test_profile_json_round_trip(tmp_path: Path) -> None:
-    profile = synthetic_profile(units=(1, 2), serving=ServingOverhead(3e-4, 1e-3))
+    profile = synthetic_profile(units=(1, 2), serving=ServingOverhead(3e-4, 1e-3, 1.1, 1.2))
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 

@@ -75,6 +75,11 @@ def profile_lines(profile: Profile) -> list[str]:
         f"  serving {sv.token_s * 1e3:.2f} ms per token, {sv.request_s * 1e3:.1f} ms per request;"
         f" steps beside busy neighbours +{c.prefill:.0%} prefill, +{c.decode:.0%} decode"
     )
+    if (sv.pass_factor, sv.stream_pass_factor) != (1.0, 1.0):
+        lines.append(
+            f"  a served prompt pass {sv.pass_factor:.2f}x the profiled one, "
+            f"{sv.stream_pass_factor:.2f}x that while it streams its KV"
+        )
     return lines
 
 

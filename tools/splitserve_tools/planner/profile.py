@@ -42,6 +42,12 @@ class ServingOverhead:
     Python backend's IPC)."""
     request_s: float = 0.0
     """Per request before its first token (parsing, tokenizing, the BLS call to prefill)."""
+    pass_factor: float = 1.0
+    """A served prompt pass over the profiled one, with no neighbour busy: the server's own
+    threads share the instance's cores (fitted across nodes by ``served_pass``)."""
+    stream_pass_factor: float = 1.0
+    """How much longer again a pass runs while it streams its KV by layer: the transfers'
+    work (the transport's threads, the network stack) shares the prefill host's cores."""
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,8 @@ def step_model(profile: Profile, role: Role, source: Role | None = None) -> Step
         block_size=profile.shape.block_size,
         token_s=profile.serving.token_s * per_core,
         source_prefill=None if source is None else profile.unit(source.units).prefill,
+        pass_factor=profile.serving.pass_factor,
+        stream_pass_factor=profile.serving.stream_pass_factor,
     )
 
 

@@ -31,14 +31,23 @@ class StepModel:
     """The prefill fit of the passes that hand KV to this instance (a disaggregated decode
     instance's prefill role, whose units may differ): what a streamed handoff overlaps.
     None: this instance's own."""
+    pass_factor: float = 1.0
+    """A served prompt pass over the fit's (``ServingOverhead.pass_factor``)."""
+    stream_pass_factor: float = 1.0
+    """And again for a pass that streams its KV (``ServingOverhead.stream_pass_factor``)."""
 
     @property
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * self.block_size
 
+    def _served(self, seconds: float, streams: bool) -> float:
+        return seconds * self.pass_factor * (self.stream_pass_factor if streams else 1.0)
+
     def prompt_pass(self, input_lens: Sequence[int]) -> float:
-        """One packed pass over whole prompts (the prefill role)."""
-        return self.prefill(sum(input_lens), sum(n * n for n in input_lens))
+        """One packed pass over whole prompts (the prefill role); it streams if any of its
+        prompts does."""
+        seconds = self.prefill(sum(input_lens), sum(n * n for n in input_lens))
+        return self._served(seconds, any(map(self.handoff.streams, input_lens)))
 
     def loaded_s(self, blocks: int) -> float:
         """What loading a handed-over prompt of ``blocks`` blocks adds after its pass (its
@@ -47,7 +56,7 @@ class StepModel:
         nbytes = blocks * self.block_bytes
         if not self.handoff.streams(tokens):
             return self.handoff(nbytes)
-        pass_s = (self.source_prefill or self.prefill)(tokens, tokens * tokens)
+        pass_s = self._served((self.source_prefill or self.prefill)(tokens, tokens * tokens), True)
         return self.handoff.added_after_pass(nbytes, pass_s)
 
     def engine_step(
@@ -64,7 +73,7 @@ class StepModel:
         if out.prefills:
             tokens = sum(n for _, n in out.prefills)
             pairs = sum(n * n + 2 * n * req.num_computed for req, n in out.prefills)
-            prefill_s = self.prefill(tokens, pairs)
+            prefill_s = self._served(self.prefill(tokens, pairs), False)
             finishing = sum(1 for req, n in out.prefills if req.num_computed + n == req.num_tokens)
         decode_s += self.token_s * (len(out.decodes) + finishing)
         return prefill_s, decode_s
