@@ -106,13 +106,9 @@ def serving(node: netns.Node, args: list[str], log: Path) -> Iterator[None]:
         proc.wait(60)
 
 
-def stall_row(
-    decode: netns.Node, tokenizer: Any, rate: float | None, repeats: int, work: Path
-) -> dict[str, Any]:
+def stall_row(decode: netns.Node, rate: float | None, prompts: Path) -> dict[str, Any]:
     length = max(LENGTHS)
-    path = work / "stall-prompts.json"
-    path.write_text(json.dumps(exact_prompts(tokenizer, repeats, length)))
-    got = run_client(decode, "stall", "127.0.0.1:8001", "A stream that keeps going", str(path))
+    got = run_client(decode, "stall", "127.0.0.1:8001", "A stream that keeps going", str(prompts))
     row = {
         "rate_gbit": rate,
         "stall_tokens": length,
@@ -196,13 +192,19 @@ def main() -> None:
     tokenizer = tokenizer_for(model)
     work = Path(tempfile.mkdtemp(prefix="bench-multinode-"))
     common = server_args(model, args.dtype, MAX_MODEL_LEN, work)
-    prompts = {}
     lengths = [int(n) for n in args.lengths.split(",")]
     if max(lengths) >= MAX_MODEL_LEN:
         sys.exit(f"bench_multinode: prompts must be shorter than {MAX_MODEL_LEN} tokens")
-    for length in lengths:
-        prompts[length] = work / f"prompts-{length}.json"
-        prompts[length].write_text(json.dumps(exact_prompts(tokenizer, args.repeats + 1, length)))
+    seeds = itertools.count()
+
+    def fresh_prompts(length: int) -> Path:
+        """New prompts for every cell: none repeats a cached prefix of an earlier one."""
+        seed = next(seeds)
+        path = work / f"prompts-{seed}.json"
+        texts = exact_prompts(tokenizer, args.repeats + 1, length, seed=seed)
+        path.write_text(json.dumps(texts))
+        return path
+
     rows: list[dict[str, Any]] = []
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
@@ -219,10 +221,11 @@ def main() -> None:
                         for node in cluster:
                             netns.set_rate(node, rate)
                         for length in lengths:
-                            rows.append(measure(cluster, mode, rate, length, prompts[length]))
+                            rows.append(measure(cluster, mode, rate, length, fresh_prompts(length)))
                             report(rows[-1])
                         if args.stall:
-                            rows.append(stall_row(decode, tokenizer, rate, args.repeats, work))
+                            prompts = fresh_prompts(max(LENGTHS))
+                            rows.append(stall_row(decode, rate, prompts))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

@@ -22,6 +22,8 @@ def _settings(args: argparse.Namespace) -> dict[str, str]:
         value = getattr(args, key)
         if value is not None:
             settings[key] = str(value)
+    if getattr(args, "prefix_cache", None) is not None:
+        settings["prefix_cache"] = str(args.prefix_cache).lower()
     for item in args.param or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -221,6 +223,13 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--block-size", type=int)
     s.add_argument("--kv-cache-bytes", type=int)
     s.add_argument("--max-num-seqs", type=int)
+    s.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV of prompt prefixes that earlier requests computed (default); "
+        "--no-prefix-cache: compute every prompt from its first token",
+    )
     s.add_argument("--param", action="append", help="extra model parameter KEY=VALUE")
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)

@@ -23,6 +23,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     chunked_prefill: bool = False
+    prefix_cache: bool = True
+    """Reuse the KV of prompt prefixes that earlier requests computed (``--no-prefix-cache``:
+    off)."""
     num_threads: int | None = None
     """torch intra-op threads for this engine (None leaves torch's default)."""
 

@@ -68,4 +68,5 @@ def scheduler_limits(cfg: EngineConfig) -> SchedulerLimits:
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         chunked_prefill=cfg.chunked_prefill,
+        prefix_cache=cfg.prefix_cache,
     )

@@ -9,12 +9,14 @@ import torch
 
 from splitserve.engine.build import eos_ids
 from splitserve.engine.output import OutputState, RequestOutput
+from splitserve.engine.prefix import PrefixCache
 from splitserve.engine.request import Request, Status
 from splitserve.engine.runner import ModelRunner
 from splitserve.engine.sampler import sample
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import KVSource, Scheduler, SchedulerLimits, StreamedSource
 from splitserve.engine.validate import validate_prompt
+from splitserve.kv.block_hash import layout_key
 from splitserve.kv.pool import KVPool
 from splitserve.model.llama import LlamaForCausalLM
 from splitserve.tokenizer import Tokenizer
@@ -38,7 +40,10 @@ class Engine:
         """``puller``: where handed-over requests' KV is loaded (see ``Scheduler``); None: in
         the step that admits them."""
         self.runner = ModelRunner(model, pool)
-        self.scheduler = Scheduler(pool.allocator, limits, puller)
+        prefix = None
+        if limits.prefix_cache:
+            prefix = PrefixCache(pool.allocator, limits.block_size, layout_key(pool.layout))
+        self.scheduler = Scheduler(pool.allocator, limits, puller, prefix)
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids(tokenizer, model.cfg)
         self.vocab_size = model.cfg.vocab_size
@@ -154,14 +159,22 @@ class Engine:
             self.scheduler.wait_for_pulls(PULL_WAIT_S)
         if plan.decodes:
             logits = self.runner.decode(plan.decodes)
+            self._commit(plan.decodes)
             outputs += self._postprocess(plan.decodes, logits)
         if plan.prefills:
             logits = self.runner.prefill(plan.prefills)
+            self._commit([r for r, _ in plan.prefills])
             done = [i for i, (r, _) in enumerate(plan.prefills) if r.num_computed == r.num_tokens]
             if done:
                 reqs = [plan.prefills[i][0] for i in done]
                 outputs += self._postprocess(reqs, logits[done])
         return outputs
+
+    def _commit(self, reqs: Sequence[Request]) -> None:
+        """Cache the blocks this step filled (before any request ends and frees them)."""
+        if (prefix := self.scheduler.prefix) is not None:
+            for req in reqs:
+                prefix.commit(req)
 
     def _failed(self, req: Request, why: str) -> RequestOutput:
         del self.states[req.request_id]

@@ -34,6 +34,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Content hashes of the first full blocks of ``all_ids`` (``kv.block_hash``), grown as
+    needed; they depend on the tokens only, so they outlive the blocks."""
+    num_cached_blocks: int = 0
+    """How many of ``block_ids``, from the first, the pool's prefix cache knows."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.monotonic)

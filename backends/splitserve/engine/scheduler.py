@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from splitserve.engine.prefix import PrefixCache
 from splitserve.engine.request import Request, Status
 from splitserve.kv.allocator import BlockAllocator, BlocksStillWritten
 
@@ -78,6 +79,8 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     chunked_prefill: bool = False
+    prefix_cache: bool = False
+    """Reuse the KV of cached prompt prefixes (``engine.prefix``)."""
     on_handoff_failure: str = "recompute"
     """``recompute`` the prompt of a handed-over request whose KV cannot be loaded, or
     ``fail`` it (it then appears in ``Scheduler.failed``)."""
@@ -97,11 +100,18 @@ TOKEN_WAIT_S = 0.001
 
 class Scheduler:
     def __init__(
-        self, allocator: BlockAllocator, limits: SchedulerLimits, puller: Executor | None = None
+        self,
+        allocator: BlockAllocator,
+        limits: SchedulerLimits,
+        puller: Executor | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.allocator = allocator
         self.limits = limits
         self.puller = puller
+        self.prefix = prefix
+        """Prefix caching: requests that compute their prompt here start from its longest
+        cached prefix; None: off."""
         self.waiting: deque[Request] = deque()
         self.arrived: deque[tuple[Request, KVSource | StreamedSource]] = deque()
         self.pulling: list[tuple[Request, Future[None], KVSource | StreamedSource]] = []
@@ -183,6 +193,7 @@ class Scheduler:
         if req.block_ids:
             self.allocator.free(req.block_ids)
             req.block_ids = []
+        req.num_cached_blocks = 0
 
     def _preempt(self, victim: Request) -> None:
         self.num_preemptions += 1
@@ -251,6 +262,8 @@ class Scheduler:
             self.free(item[0])
 
     def _join(self, req: Request, out: SchedulerOutput) -> None:
+        if self.prefix is not None:
+            self.prefix.commit(req)  # its handed-over prompt KV is in
         req.status = Status.RUNNING
         self.running.append(req)
         out.decodes.append(req)
@@ -297,11 +310,26 @@ class Scheduler:
             budget -= taken
 
     def _add_prefill(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        # A request starting its prompt takes the cached part first.
+        prefix = self.prefix if not req.block_ids and req.num_computed == 0 else None
+        if prefix is not None:
+            prefix.attach(req)
+        chunk = self._prefill_chunk(out, req, budget)
+        if prefix is not None:
+            if chunk:
+                prefix.count(req)
+            else:
+                prefix.detach(req)
+        if chunk:
+            out.prefills.append((req, chunk))
+        return chunk
+
+    def _prefill_chunk(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        """How many of ``req``'s uncached tokens fit this step (its blocks grown for them)."""
         remaining = req.num_tokens - req.num_computed
         if remaining > budget and not (self.limits.chunked_prefill or not out.prefills):
             return 0
         chunk = min(remaining, budget) if self.limits.chunked_prefill else remaining
         if chunk <= 0 or not self._grow(req, req.num_computed + chunk):
             return 0
-        out.prefills.append((req, chunk))
         return chunk

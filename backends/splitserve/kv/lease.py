@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from splitserve.kv.allocator import BlockAllocator
@@ -45,6 +45,14 @@ class LockedAllocator(BlockAllocator):
     def free(self, ids: list[int]) -> None:
         with self._lock:
             super().free(ids)
+
+    def cache(self, block: int, content: bytes) -> bool:
+        with self._lock:
+            return super().cache(block, content)
+
+    def acquire(self, hashes: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            return super().acquire(hashes)
 
 
 @dataclass(frozen=True)

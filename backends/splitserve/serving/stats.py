@@ -9,6 +9,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from splitserve.engine.prefix import PrefixCache
+from splitserve.kv.allocator import BlockAllocator
+
 ERROR_KINDS = ("invalid", "unavailable", "internal", "cancelled")
 """How a request can end other than normally (``cancelled`` is the client's choice)."""
 
@@ -16,7 +19,9 @@ PREFIX = "splitserve_"
 """Of every metric name below, as it appears on the metrics port."""
 GAUGES = {
     "kv_blocks_used": "KV cache blocks in use (running requests and leases)",
-    "kv_blocks_free": "KV cache blocks free",
+    "kv_blocks_free": "KV cache blocks free (cached ones included)",
+    "kv_blocks_cached": "Of kv_blocks_free, blocks that keep a cached prefix's KV for later "
+    "requests until the pool needs them",
     "leases_outstanding": "KV leases handed out by prefill and not yet released or expired",
     "requests_active": "Requests this instance's engine is generating for",
     "requests_running": "Requests in this instance's running batch",
@@ -56,6 +61,9 @@ COUNTERS = {
     "cores) or waiting for its OpenMP workers",
     "engine_sampled_tokens_total": "Tokens sampled by this instance's forward passes; over "
     "engine_steps_total, the mean batch",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
+    "prefix_cache_hits_total": "Of those, tokens whose KV came from the cache (not computed)",
+    "prefix_cache_evictions_total": "Cached blocks evicted to make room",
     "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
     "idle prefill instance (core_lock)",
     "engine_borrow_withheld_steps_total": "Decode steps run on decode's own cores although "
@@ -210,6 +218,21 @@ TRANSPORT_COUNTERS = {
     "prefill_failovers": ("prefill_failovers_total", 1.0),
 }
 """``KVTransport.stats()`` key -> (counter name, scale)."""
+
+
+def record_kv_pool(
+    stats: InstanceStats, allocator: BlockAllocator, prefix: PrefixCache | None
+) -> dict[str, float]:
+    """Hand the pool's cumulative prefix-cache counts to ``stats``; returns its block gauges."""
+    if prefix is not None:
+        stats.set_total("prefix_cache_queries_total", prefix.stats.queries)
+        stats.set_total("prefix_cache_hits_total", prefix.stats.hits)
+    stats.set_total("prefix_cache_evictions_total", allocator.num_evictions)
+    return {
+        "kv_blocks_used": allocator.num_used,
+        "kv_blocks_free": allocator.num_free,
+        "kv_blocks_cached": allocator.num_cached_free,
+    }
 
 
 def record_transport(stats: InstanceStats, counts: dict[str, int]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from splitserve.engine.request import Request
 from splitserve.serving import bls_contract
 from splitserve.serving.core_lend import CoreLock
 from splitserve.serving.heap import HeapTrimmer
-from splitserve.serving.stats import InstanceStats, record_transport
+from splitserve.serving.stats import InstanceStats, record_kv_pool, record_transport
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
@@ -77,7 +77,9 @@ class PrefillModel:
         self.transport = get_transport(cfg.transport, key=self.key, **cfg.transport_options())
         pool = self.transport.create_pool(parts.layout, parts.num_blocks, cfg.engine.device)
         self.transport.register(pool)
-        self.engine = PrefillEngine(parts.model, pool, parts.eos_ids, parts.max_model_len)
+        self.engine = PrefillEngine(
+            parts.model, pool, parts.eos_ids, parts.max_model_len, cfg.engine.prefix_cache
+        )
         self.pool = pool
         self.streams = pb_utils.using_decoupled_model_transaction_policy(
             json.loads(args["model_config"])
@@ -98,10 +100,8 @@ class PrefillModel:
         return self.core_lock.lend() if self.core_lock else nullcontext()
 
     def _gauges(self) -> dict[str, float]:
-        allocator = self.engine.allocator
         return {
-            "kv_blocks_used": allocator.num_used,
-            "kv_blocks_free": allocator.num_free,
+            **record_kv_pool(self.stats, self.engine.allocator, self.engine.prefix),
             **record_transport(self.stats, self.transport.stats()),
         }
 

@@ -23,7 +23,7 @@ from splitserve.serving.frontend import Prepared, prepare
 from splitserve.serving.inputs import InputError
 from splitserve.serving.loop import EngineLoop
 from splitserve.serving.serving_config import ServingConfig
-from splitserve.serving.stats import InstanceStats, record_transport
+from splitserve.serving.stats import InstanceStats, record_kv_pool, record_transport
 from splitserve.serving.threads import on_own_thread
 from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
 from splitserve.triton.setup import setup_instance
@@ -110,10 +110,8 @@ class GenerateModelBase:
     def _gauges(self) -> dict[str, float]:
         """Read on the metrics thread: sizes and counts that the engine thread updates."""
         scheduler = self.loop.engine.scheduler
-        allocator = scheduler.allocator
         gauges = {
-            "kv_blocks_used": allocator.num_used,
-            "kv_blocks_free": allocator.num_free,
+            **record_kv_pool(self.stats, scheduler.allocator, scheduler.prefix),
             "requests_active": self.loop.num_active,
             "requests_running": len(scheduler.running),
             "kv_handoff_failures": scheduler.num_handoff_failures,

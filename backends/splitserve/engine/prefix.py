@@ -1,0 +1,69 @@
+"""Prefix caching for one engine's requests, over its pool's allocator (``kv.allocator``).
+
+A request that computes its prompt from token 0 first takes the longest run of its full blocks
+that the pool has cached, and computes only the rest; as its blocks fill (prompt or output
+tokens), they are cached for later requests. At least the last token is always computed: its
+logits give the next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitserve.engine.request import Request
+from splitserve.kv.allocator import BlockAllocator
+from splitserve.kv.block_hash import extend_hashes
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0
+    """Prompt tokens looked up (each time a request starts its prompt)."""
+    hits: int = 0
+    """Of those, tokens whose KV came from the cache."""
+
+
+class PrefixCache:
+    def __init__(self, allocator: BlockAllocator, block_size: int, key: bytes) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.key = key
+        self.stats = PrefixStats()
+
+    def _hashes(self, req: Request, blocks: int) -> list[bytes]:
+        return extend_hashes(req.block_hashes, req.all_ids, self.block_size, self.key, blocks)
+
+    def attach(self, req: Request) -> None:
+        """Give ``req``, which holds no block, the cached blocks of its longest cached prefix
+        (up to, not including, the block of its last token) as computed."""
+        assert not req.block_ids and req.num_computed == 0
+        usable = (req.num_tokens - 1) // self.block_size
+        ids = self.allocator.acquire(self._hashes(req, usable)[:usable])
+        req.block_ids = ids
+        req.num_cached_blocks = len(ids)
+        req.num_computed = len(ids) * self.block_size
+
+    def detach(self, req: Request) -> None:
+        """Undo ``attach`` for a request that could not be scheduled after all."""
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+        req.num_computed = 0
+
+    def count(self, req: Request) -> None:
+        """``req`` starts its prompt with what ``attach`` gave it."""
+        self.stats.queries += req.num_tokens
+        self.stats.hits += req.num_computed
+
+    def commit(self, req: Request, computed: int | None = None) -> None:
+        """Cache the blocks of ``req`` whose KV is complete (that of its first ``computed``
+        tokens; default ``num_computed``) and that the cache does not know."""
+        tokens = req.num_computed if computed is None else computed
+        full = min(tokens // self.block_size, len(req.block_ids))
+        if full <= req.num_cached_blocks:
+            return
+        hashes = self._hashes(req, full)
+        for i in range(req.num_cached_blocks, full):
+            self.allocator.cache(req.block_ids[i], hashes[i])
+        req.num_cached_blocks = full
