@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,15 +60,23 @@ def build_lengths(opts: BenchOptions) -> list[tuple[int, int]]:
     )
 
 
-def build_requests(opts: BenchOptions) -> list[Request]:
+def rate_seed(seed: int, rate: float) -> int:
+    """The prompt seed of a probe at ``rate``: each probed rate sends texts of its own (same
+    lengths), so that no server, ours or a peer's, replays prompts it cached in an earlier
+    probe."""
+    return zlib.crc32(f"{seed}:{rate!r}".encode())
+
+
+def build_requests(opts: BenchOptions, rate: float | None = None) -> list[Request]:
+    """The requests of a probe at ``rate`` (None: of the bench's ``seed`` alone)."""
     tokenizer = load_bench_tokenizer(opts.tokenizer)
-    return make_requests(build_lengths(opts), prompt_maker(tokenizer), opts.seed)
+    seed = opts.seed if rate is None else rate_seed(opts.seed, rate)
+    return make_requests(build_lengths(opts), prompt_maker(tokenizer), seed)
 
 
-async def _bench_target(
-    spec: str, opts: BenchOptions, requests: list[Request], slo: SLO
-) -> TargetResult:
+async def _bench_target(spec: str, opts: BenchOptions, slo: SLO) -> TargetResult:
     def schedule_for(rate: float) -> Schedule:
+        requests = build_requests(opts, rate)
         times = arrival_times(opts.arrival, rate, len(requests), opts.seed, opts.cv)
         return list(zip(times.tolist(), requests, strict=True))
 
@@ -97,8 +106,8 @@ async def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if not opts.goodput and opts.rate is None:
         raise ValueError("give --rate, or --goodput to search for it")
     slo = SLO(opts.ttft_slo, opts.tpot_slo, opts.attainment)
-    requests = build_requests(opts)
-    results = [await _bench_target(spec, opts, requests, slo) for spec in opts.targets]
+    requests = build_requests(opts)  # the lengths, which every probe shares
+    results = [await _bench_target(spec, opts, slo) for spec in opts.targets]
     config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()}
     report = build_report(
         results,
