@@ -59,3 +59,33 @@ def test_fixed_rate_bench(
     assert {len(tokenizer.encode(r.prompt_text)) for r in build_requests(opts)} == {INPUT_LEN}
     plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert plots == ["attainment_vs_rate.png", "slo_scale.png", "tpot_cdf.png", "ttft_cdf.png"]
+
+
+def test_multi_turn_bench_repeats_each_turn_in_the_next(
+    splitserve_server: TritonServer, serve_ckpt: Path, tmp_path: Path
+) -> None:
+    opts = BenchOptions(
+        targets=["llm_colocated"],
+        url=splitserve_server.grpc_url,
+        workload="multi-turn",
+        tokenizer=str(serve_ckpt),
+        max_model_len=512,  # short sessions: every length scaled by 512 / 4096
+        rate=4.0,
+        num_requests=10,
+        ttft_slo=10.0,
+        tpot_slo=2.0,
+        json_path=tmp_path / "bench.json",
+        progress=False,
+    )
+    bench(opts)
+    (run,) = json.loads(opts.json_path.read_text())["runs"]
+    assert run["errors"] == 0, [r["error"] for r in run["requests"]]
+    turns = [r["turn"] for r in run["requests"]]
+    assert turns[0] == 0 and max(turns) >= 1
+    tokenizer = load_tokenizer(serve_ckpt)
+    requests = build_requests(opts, opts.rate)
+    for req in requests:  # within a few tokens: BPE may merge across a segment boundary
+        assert abs(len(tokenizer.encode(req.prompt_text)) - req.input_len) <= 4
+    for req in requests:
+        if req.follows is not None:
+            assert req.prompt_text.startswith(requests[req.follows].prompt_text)

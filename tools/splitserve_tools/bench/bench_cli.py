@@ -49,7 +49,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "repeat to compare (default llm)",
     )
     b.add_argument(
-        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+        "--workload",
+        choices=["chatbot", "code", "summarization", "fixed", "multi-turn", "shared-prefix"],
+        default="chatbot",
+        help="multi-turn: conversations whose every turn repeats the last (a shared system "
+        "prompt, 2-6 turns); shared-prefix: single prompts behind one system prompt "
+        "(splitserve_tools.workload.sessions); --rate counts their requests",
     )
     b.add_argument("--input-len", type=int, help="prompt tokens (fixed workload)")
     b.add_argument("--output-len", type=int, help="output tokens (fixed workload)")

@@ -12,12 +12,13 @@ from typing import Any
 from splitserve_tools.bench.goodput import Probe, probe, search_goodput, slo_scale_sweep
 from splitserve_tools.bench.prompts import load_bench_tokenizer, prompt_maker
 from splitserve_tools.bench.report import TargetResult, build_report, write_json, write_plots
-from splitserve_tools.bench.requests import Request, make_requests
+from splitserve_tools.bench.requests import Request, make_requests, make_session_requests
 from splitserve_tools.bench.runner import Schedule
 from splitserve_tools.bench.target import make_target
 from splitserve_tools.workload.arrivals import arrival_times
 from splitserve_tools.workload.lengths import workload_lengths
 from splitserve_tools.workload.search import SearchSettings
+from splitserve_tools.workload.sessions import SESSION_WORKLOADS, session_turns
 from splitserve_tools.workload.slo import SLO
 
 
@@ -71,14 +72,29 @@ def build_requests(opts: BenchOptions, rate: float | None = None) -> list[Reques
     """The requests of a probe at ``rate`` (None: of the bench's ``seed`` alone)."""
     tokenizer = load_bench_tokenizer(opts.tokenizer)
     seed = opts.seed if rate is None else rate_seed(opts.seed, rate)
+    if opts.workload in SESSION_WORKLOADS:
+        turns = session_turns(opts.workload, opts.num_requests, opts.max_model_len, opts.seed)
+        return make_session_requests(turns, prompt_maker(tokenizer), seed)
     return make_requests(build_lengths(opts), prompt_maker(tokenizer), seed)
+
+
+def schedule(opts: BenchOptions, requests: list[Request], rate: float) -> Schedule:
+    """Arrival offsets at ``rate`` requests/s: sessions arrive as the arrival process says (at
+    the rate that sends ``rate`` requests/s in all); a later turn is listed at its session's
+    arrival and sent once the turn before it ended."""
+    first = [i for i, r in enumerate(requests) if r.follows is None]
+    session_rate = rate * len(first) / len(requests)
+    times = arrival_times(opts.arrival, session_rate, len(first), opts.seed, opts.cv)
+    at = dict(zip(first, times.tolist(), strict=True))
+    offsets: list[float] = []
+    for i, r in enumerate(requests):
+        offsets.append(at[i] if r.follows is None else offsets[r.follows])
+    return list(zip(offsets, requests, strict=True))
 
 
 async def _bench_target(spec: str, opts: BenchOptions, slo: SLO) -> TargetResult:
     def schedule_for(rate: float) -> Schedule:
-        requests = build_requests(opts, rate)
-        times = arrival_times(opts.arrival, rate, len(requests), opts.seed, opts.cv)
-        return list(zip(times.tolist(), requests, strict=True))
+        return schedule(opts, build_requests(opts, rate), rate)
 
     target = make_target(spec, opts.url)
     try:

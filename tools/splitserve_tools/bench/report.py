@@ -59,6 +59,7 @@ def _run_entry(
             {
                 "input_len": req.input_len,
                 "output_len": req.output_len,
+                "turn": req.turn,
                 "output_tokens": rec.output_tokens,
                 "ttft": rec.ttft,
                 "tpot": rec.tpot,

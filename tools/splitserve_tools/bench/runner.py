@@ -41,6 +41,15 @@ async def _send(
     return record
 
 
+async def _send_after(
+    target: Target, request: Request, previous: asyncio.Task[RequestRecord], cap: asyncio.Semaphore
+) -> RequestRecord:
+    """A session's next turn: ``think_s`` after its previous turn ended, however that ended."""
+    await asyncio.wait([previous])
+    await asyncio.sleep(request.think_s)
+    return await _send(target, request, time.perf_counter(), cap)
+
+
 async def run_schedule(
     target: Target,
     schedule: Schedule,
@@ -49,12 +58,19 @@ async def run_schedule(
     progress: bool = True,
     desc: str = "",
 ) -> RunResult:
-    """Launch each request as a task at its arrival time; wait for all of them."""
+    """Launch each request as a task at its arrival time (a session's later turn: once the turn
+    it follows ended, which comes earlier in ``schedule``); wait for all of them."""
     cap = asyncio.Semaphore(max_in_flight)
     bar = tqdm(total=len(schedule), desc=desc or target.name, disable=not progress, leave=False)
     tasks: list[asyncio.Task[RequestRecord]] = []
     t0 = time.perf_counter()
     for offset, request in schedule:
+        if request.follows is not None:
+            previous = tasks[request.follows]
+            task = asyncio.create_task(_send_after(target, request, previous, cap))
+            task.add_done_callback(lambda _: bar.update())
+            tasks.append(task)
+            continue
         delay = t0 + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
