@@ -14,7 +14,8 @@ server's handoff time per request. With ``--stall``, a greedy stream runs meanwh
 script prints its longest gap between tokens while each prompt's KV crosses. Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
-     [--modes whole,layerwise,layerwise-fp8] [--lengths 128,1024,4096]
+     [--modes whole,layerwise,layerwise-fp8] [--lengths 128,1024,4096] [--split-cores]
+     [--prefill-param KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -178,6 +179,18 @@ def main() -> None:
         "--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths, in tokens"
     )
     ap.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="prefill on core 0, decode on core 1 (each server's own threads on its core), as on "
+        "two hosts; default: both servers on every core",
+    )
+    ap.add_argument(
+        "--prefill-param",
+        action="append",
+        default=[],
+        help="KEY=VALUE for the prefill servers (e.g. kv_stream_min_tokens=0)",
+    )
+    ap.add_argument(
         "--stall",
         action="store_true",
         help="also: a stream's longest token gap while 4k-token prompts are handed over",
@@ -212,10 +225,15 @@ def main() -> None:
         decode_args = [*common, "--role", "decode", "--advertise-host", decode.address,
                        f"--prefill-url={prefill.address}:8001",
                        "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
+        prefill_args = [*common, "--role", "prefill", "--advertise-host", prefill.address]
+        for item in args.prefill_param:
+            prefill_args += ["--param", item]
+        if args.split_cores:
+            decode_args += ["--decode-cores", "1", "--server-cores", "1"]
+            prefill_args += ["--prefill-cores", "0", "--server-cores", "0"]
         with serving(decode, decode_args, work / "decode.log"):
             for mode in modes:
-                with serving(prefill, [*common, "--role", "prefill", "--advertise-host",
-                                       prefill.address, *MODES[mode]],
+                with serving(prefill, [*prefill_args, *MODES[mode]],
                              work / f"prefill-{mode}.log"):  # fmt: skip
                     for rate in parse_rates(args.rates):
                         for node in cluster:

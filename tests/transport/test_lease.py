@@ -81,12 +81,10 @@ def test_pulled_lease_still_expires_after_pull_ttl(setup):
     assert alloc.num_free == 16
 
 
-def test_grant_rejects_overlap_duplicates_and_bad_ttl(setup):
+def test_grant_rejects_duplicates_and_bad_ttl(setup):
     alloc, _, table = setup
     ids = alloc.allocate(3)
     table.grant(ids[:2], 1, ttl_s=5)
-    with pytest.raises(ValueError, match="already leased"):
-        table.grant(ids[1:], 1, ttl_s=5)
     with pytest.raises(ValueError, match="distinct"):
         table.grant([ids[2], ids[2]], 1, ttl_s=5)
     with pytest.raises(ValueError, match="distinct"):
@@ -147,3 +145,16 @@ def test_locked_allocator_survives_concurrent_allocate_and_free():
     for t in threads:
         t.join()
     assert (alloc.num_free, alloc.num_used) == (64, 0)
+
+
+def test_leases_that_share_cached_blocks_hold_a_reference_each(setup):
+    alloc, _, table = setup
+    ids = alloc.allocate(3)
+    alloc.share(ids[:2])  # a second prompt behind the same cached prefix, plus a block of its own
+    first = table.grant(ids, 1, ttl_s=5)
+    second = table.grant([*ids[:2], *alloc.allocate(1)], 1, ttl_s=5)
+    assert table.stats().outstanding_blocks == 4
+    assert table.release(first.lease_id)
+    assert alloc.num_used == 3 and table.stats().outstanding_blocks == 3
+    assert table.release(second.lease_id)
+    assert alloc.num_used == 0 and table.stats().outstanding_blocks == 0

@@ -271,3 +271,15 @@ def test_streamed_fp8_layers_are_encoded_as_published(reader):
             for h in (handle, whole):
                 rd.release(h)
             wait_for(lambda: src.allocator.num_free == 6)
+
+
+def test_fetch_skips_the_blocks_the_reader_has_cached(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    src.allocator.allocate(5)
+    handle = own.export("req-1", [0, 1, 2, 3], num_tokens=15)
+    rd.fetch_layers(handle, [7, 8], range(LAYOUT.num_layers), skip=2)
+    assert torch.equal(dst.tensor[:, [7, 8]], src.tensor[:, [2, 3]])
+    assert torch.all(dst.tensor[:, :7] == -1)
+    assert rd.stats()["fetched_bytes"] == 2 * LAYOUT.block_bytes
+    rd.release(handle)
+    wait_for(lambda: own.stats()["released"] == 1)

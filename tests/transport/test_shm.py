@@ -248,3 +248,20 @@ def test_layers_fetched_one_range_at_a_time_equal_the_whole(owner, reader):
     assert torch.equal(dst.tensor[:, [3, 1]], src.tensor[:, ids])
     assert rd.stats()["fetched_layers"] == layers and rd.stats()["fetches"] == 1
     rd.release(handle)
+
+
+def test_fetch_skips_the_blocks_the_reader_has_cached(owner, reader):
+    (own, src), (rd, dst) = owner, reader
+    src.allocator.allocate(5)
+    handle = own.export("req-1", [0, 1, 2, 3], num_tokens=15)
+    rd.fetch(handle, [7, 8], skip=2)
+    assert torch.equal(dst.tensor[:, [7, 8]], src.tensor[:, [2, 3]])
+    assert torch.all(dst.tensor[:, :7] == -1)
+    with pytest.raises(ValueError, match="need 1 distinct"):
+        rd.fetch(handle, [5, 6], skip=3)
+    with pytest.raises(ValueError, match="cannot skip 5"):
+        rd.fetch(handle, [], skip=5)
+    rd.fetch(handle, [], skip=4)  # every block cached: nothing read
+    assert rd.stats()["fetched_bytes"] == 2 * LAYOUT.block_bytes
+    rd.release(handle)
+    wait_for(lambda: own.stats()["released"] == 1)

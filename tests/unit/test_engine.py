@@ -100,9 +100,9 @@ class CopySource:
         self.prefill, self.req, self.dst_pool = prefill, req, dst_pool
         self.loaded = self.discarded = False
 
-    def load(self, dst: list[int]) -> None:
-        assert len(dst) == len(self.req.block_ids)
-        data = self.prefill.runner.pool.read_blocks(self.req.block_ids)
+    def load(self, dst: list[int], skip: int = 0) -> None:
+        assert len(dst) == len(self.req.block_ids) - skip
+        data = self.prefill.runner.pool.read_blocks(self.req.block_ids[skip:])
         self.dst_pool.write_blocks(dst, data)
         self.loaded = True
         self.prefill.free(self.req)
@@ -145,7 +145,7 @@ def test_handoff_sources_are_discarded_when_never_loaded(parts):
 
 
 class LostSource:
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         raise RuntimeError("lease expired")
 
     def discard(self) -> None:

@@ -32,13 +32,13 @@ class PoolCopy:
         self.released = 0
         self.fail_at: int | None = None
 
-    def fetch_layers(self, handle: bytes, dst_ids: list[int], layers: range) -> None:
+    def fetch_layers(self, handle: bytes, dst_ids: list[int], layers: range, skip: int = 0) -> None:
         assert layers.stop <= self.announced, f"read {layers} with {self.announced} announced"
         if self.fail_at is not None and self.fail_at in layers:
             raise RuntimeError("link cut")
         self.reads.append(layers)
         span = slice(layers.start, layers.stop)
-        self.dst[span, dst_ids] = self.src[span, self.src_ids]
+        self.dst[span, dst_ids] = self.src[span, self.src_ids[skip:]]
 
     def release(self, handle: bytes) -> None:
         self.released += 1

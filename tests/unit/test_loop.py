@@ -110,7 +110,7 @@ def test_engine_loop_runs_every_step_inside_around_step():
 
 
 class LostSource:
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         raise RuntimeError("transfer abandoned")
 
     def discard(self) -> None:

@@ -114,10 +114,10 @@ class CopySource:
     def __init__(self, prefill: PrefillEngine, req: Request, dst: KVPool) -> None:
         self.prefill, self.req, self.dst = prefill, req, dst
 
-    def load(self, dst_block_ids: list[int]) -> None:
-        self.dst.write_blocks(
-            dst_block_ids, self.prefill.runner.pool.read_blocks(self.req.block_ids)
-        )
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
+        self.skipped = skip
+        src = self.prefill.runner.pool.read_blocks(self.req.block_ids[skip:])
+        self.dst.write_blocks(dst_block_ids, src)
         self.prefill.free(self.req)
 
     def discard(self) -> None:
@@ -148,3 +148,10 @@ def test_disaggregated_prefill_reuses_its_cache_and_decode_caches_what_arrives(l
     assert src_pool.allocator.num_used == 0 and src_pool.allocator.num_cached > 0
     assert decode.scheduler.allocator.num_used == 0
     assert decode.scheduler.allocator.num_cached >= 5  # the system prompt's blocks arrived
+    prefix = decode.scheduler.prefix
+    assert prefix is not None
+    # Every prompt after the first found the system prompt's 5 blocks in decode's own cache.
+    assert prefix.stats.blocks_skipped >= 5 * (len(prompts()) - 1)
+    assert prefix.stats.blocks_pulled + prefix.stats.blocks_skipped == sum(
+        -(-len(p) // 8) for p in prompts()
+    )

@@ -175,7 +175,7 @@ class Source:
         self.loaded = False
         self.discarded = False
 
-    def load(self, dst_block_ids: list[int]) -> None:
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
         self.loaded = True
 
     def discard(self) -> None:

@@ -91,7 +91,7 @@ class RecordingSource:
     def __init__(self, log: list[list[int]]) -> None:
         self.log = log
 
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         self.log.append(list(dst))
 
     def discard(self) -> None:
@@ -118,7 +118,7 @@ def test_prefilled_requests_wait_for_blocks_then_load():
 
 
 class BrokenSource:
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         raise RuntimeError("lease expired")
 
     def discard(self) -> None:
@@ -131,7 +131,7 @@ class StalledSource:
     def __init__(self) -> None:
         self.held: list[int] = []
 
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         self.held = list(dst)
         raise BlocksStillWritten("transfer timed out", dst)
 
@@ -195,7 +195,7 @@ class GatedSource:
         self.error = error
         self.loaded: list[int] = []
 
-    def load(self, dst: list[int]) -> None:
+    def load(self, dst: list[int], skip: int = 0) -> None:
         assert self.gate.wait(5)
         if self.error is not None:
             raise self.error

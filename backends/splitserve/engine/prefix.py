@@ -21,6 +21,10 @@ class PrefixStats:
     """Prompt tokens looked up (each time a request starts its prompt)."""
     hits: int = 0
     """Of those, tokens whose KV came from the cache."""
+    blocks_pulled: int = 0
+    """Blocks of handed-over prompts pulled from their owner."""
+    blocks_skipped: int = 0
+    """Blocks of handed-over prompts not pulled: this pool had them cached."""
 
 
 class PrefixCache:
@@ -50,6 +54,28 @@ class PrefixCache:
         req.block_ids = []
         req.num_cached_blocks = 0
         req.num_computed = 0
+
+    def attach_arrived(self, req: Request) -> int:
+        """Give a handed-over ``req`` (its prompt computed elsewhere), which holds no block,
+        the cached blocks of its longest cached run of full prompt blocks; their count."""
+        assert not req.block_ids
+        full = req.num_computed // self.block_size
+        ids = self.allocator.acquire(self._hashes(req, full)[:full])
+        req.block_ids = ids
+        req.num_cached_blocks = len(ids)
+        return len(ids)
+
+    def detach_arrived(self, req: Request) -> None:
+        """Undo ``attach_arrived`` for a request that cannot be admitted yet."""
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
+    def count_arrived(self, req: Request, skipped: int) -> None:
+        """``req`` is admitted: all but ``skipped`` of its prompt's blocks will be pulled."""
+        self.stats.blocks_skipped += skipped
+        self.stats.blocks_pulled += -(-req.num_computed // self.block_size) - skipped
 
     def count(self, req: Request) -> None:
         """``req`` starts its prompt with what ``attach`` gave it."""

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 class KVSource(Protocol):
     """Where a handed-over request's KV lives until it is copied into this pool."""
 
-    def load(self, dst_block_ids: list[int]) -> None:
-        """Copy the KV into these local blocks, then let the owner free its copy."""
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
+        """Copy the KV, all but its first ``skip`` blocks (cached here), into these local
+        blocks, then let the owner free its copy."""
 
     def discard(self) -> None:
         """The request ended before loading: let the owner free its copy."""
@@ -51,9 +52,10 @@ class KVSource(Protocol):
 class StreamedSource(Protocol):
     """KV still being written elsewhere, pulled as it is (``serving.layer_stream``)."""
 
-    def start(self, dst_block_ids: list[int], puller: Executor) -> Future[None]:
-        """Pull into these local blocks on ``puller``; the future ends when all are in (then
-        the owner may free its copy) or with the error that stopped the pull."""
+    def start(self, dst_block_ids: list[int], puller: Executor, skip: int = 0) -> Future[None]:
+        """Pull all but the first ``skip`` blocks (cached here) into these local blocks on
+        ``puller``; the future ends when all are in (then the owner may free its copy) or
+        with the error that stopped the pull."""
 
     def cancel(self) -> None:
         """The request ended mid-pull: post no further read."""
@@ -226,20 +228,26 @@ class Scheduler:
     def _admit_arrived(self, out: SchedulerOutput) -> None:
         while self.arrived and len(self.running) + len(self.pulling) < self.limits.max_num_seqs:
             req, source = self.arrived[0]
+            # Blocks of the prompt that this pool has cached are not pulled.
+            skip = self.prefix.attach_arrived(req) if self.prefix is not None else 0
             # A streamed request's first token comes later: its slot is reserved now.
             if not self._grow(req, req.num_tokens + (not req.output_ids)):
+                if self.prefix is not None:
+                    self.prefix.detach_arrived(req)
                 break
             self.arrived.popleft()
-            dst = req.block_ids[: -(-req.num_computed // self.limits.block_size)]
+            if self.prefix is not None:
+                self.prefix.count_arrived(req, skip)
+            dst = req.block_ids[skip : -(-req.num_computed // self.limits.block_size)]
             if isinstance(source, StreamedSource):
                 assert self.puller is not None  # add_prefilled checked it
-                self.pulling.append((req, source.start(dst, self.puller), source))
+                self.pulling.append((req, source.start(dst, self.puller, skip), source))
                 continue
             if self.puller is not None:
-                self.pulling.append((req, self.puller.submit(source.load, dst), source))
+                self.pulling.append((req, self.puller.submit(source.load, dst, skip), source))
                 continue
             try:
-                source.load(dst)
+                source.load(dst, skip)
             except Exception as exc:
                 self._load_failed(req, exc)
                 continue

@@ -106,6 +106,14 @@ class BlockAllocator:
             else:
                 heapq.heappush(self._free, i)
 
+    def share(self, ids: list[int]) -> None:
+        """One more reference to each of these used blocks (a holder that frees them later)."""
+        bad = [i for i in ids if i not in self._refs]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"blocks not in use or given twice: {bad or ids}")
+        for i in ids:
+            self._refs[i] += 1
+
     def cache(self, block: int, content: bytes) -> bool:
         """Record that used ``block`` holds the KV hashed as ``content``; False (and nothing
         changes) if another block already holds it or this one holds other content."""

@@ -2,8 +2,9 @@
 
 Rules that keep a block owned by exactly one side at a time:
 
-- ``grant`` takes ownership of the blocks away from the caller: they go back to the allocator
-  only through this table, exactly once, on ``release`` or ``expire``.
+- ``grant`` takes the caller's reference to each block: it goes back to the allocator only
+  through this table, exactly once, on ``release`` or ``expire``. Leases of prompts that share
+  a cached prefix share its blocks, one reference each.
 - The reader copies first and releases after. It refuses to start reading a handle with less
   than its read margin left before expiry (``decode_handle(..., margin_s=...)``), and announces
   the read (``mark_pulled``), which moves the owner's deadline to at least ``pull_ttl_s`` later;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +47,10 @@ class LockedAllocator(BlockAllocator):
     def free(self, ids: list[int]) -> None:
         with self._lock:
             super().free(ids)
+
+    def share(self, ids: list[int]) -> None:
+        with self._lock:
+            super().share(ids)
 
     def cache(self, block: int, content: bytes) -> bool:
         with self._lock:
@@ -93,14 +99,17 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[bytes, Lease] = {}
         self._deadlines: dict[bytes, float] = {}
-        self._leased_blocks: set[int] = set()
+        self._leased_blocks: Counter[int] = Counter()
+        """Leases per block: with prefix caching, leases of prompts that share a cached prefix
+        share its blocks (each lease holds one reference of the pool's allocator)."""
         self._being_read: set[bytes] = set()
         self._counts = dict.fromkeys(("granted", "pulled", "released", "expired", "unknown"), 0)
 
     def grant(
         self, block_ids: Iterable[int], num_tokens: int, ttl_s: float, req_id: str = ""
     ) -> Lease:
-        """Lease ``block_ids`` for ``ttl_s`` seconds; they must not be under another lease."""
+        """Lease ``block_ids`` (distinct) for ``ttl_s`` seconds; the lease holds one reference
+        to each, which ``free_blocks`` drops when it ends."""
         ids = tuple(block_ids)
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"a lease needs distinct block ids, got {list(ids)}")
@@ -108,9 +117,6 @@ class LeaseTable:
             raise ValueError("ttl_s must be positive")
         lease = Lease(secrets.token_bytes(16), req_id, ids, num_tokens, self._clock() + ttl_s)
         with self._lock:
-            taken = self._leased_blocks.intersection(ids)
-            if taken:
-                raise ValueError(f"blocks {sorted(taken)} are already leased")
             self._leases[lease.lease_id] = lease
             self._deadlines[lease.lease_id] = lease.expiry
             self._leased_blocks.update(ids)
@@ -175,5 +181,8 @@ class LeaseTable:
         self._being_read.discard(lease_id)
         if lease is not None:
             del self._deadlines[lease_id]
-            self._leased_blocks.difference_update(lease.block_ids)
+            self._leased_blocks.subtract(lease.block_ids)
+            for block in lease.block_ids:
+                if not self._leased_blocks[block]:
+                    del self._leased_blocks[block]
         return lease

@@ -78,9 +78,9 @@ class TransportSource:
         self.transport = transport
         self.handle = handle
 
-    def load(self, dst_block_ids: list[int]) -> None:
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
         try:
-            self.transport.fetch(self.handle, dst_block_ids)
+            self.transport.fetch(self.handle, dst_block_ids, skip)
         finally:
             self.transport.release(self.handle)
 

@@ -67,6 +67,7 @@ class LayerStream:
         """A fetch is posted on the puller."""
         self._stopped: BaseException | None = None
         self._dst: list[int] | None = None
+        self._skip = 0
         self._puller: Executor | None = None
         self._idle_since: int | None = None
         """When the pull caught up with the pass (it then waits for the next layer)."""
@@ -92,10 +93,11 @@ class LayerStream:
 
     # the engine's side
 
-    def start(self, dst_block_ids: list[int], puller: Executor) -> Future[None]:
-        """Pull into ``dst_block_ids`` on ``puller`` as layers are announced."""
+    def start(self, dst_block_ids: list[int], puller: Executor, skip: int = 0) -> Future[None]:
+        """Pull all but the first ``skip`` blocks into ``dst_block_ids`` on ``puller`` as
+        layers are announced."""
         with self._lock:
-            self._dst, self._puller = list(dst_block_ids), puller
+            self._dst, self._puller, self._skip = list(dst_block_ids), puller, skip
             self._kick()
         return self._done
 
@@ -135,7 +137,7 @@ class LayerStream:
     def _fetch(self, layers: range) -> None:
         assert self._dst is not None
         try:
-            self.transport.fetch_layers(self.handle, self._dst, layers)
+            self.transport.fetch_layers(self.handle, self._dst, layers, self._skip)
         except BaseException as exc:
             with self._lock:
                 self._busy = False

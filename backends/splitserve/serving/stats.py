@@ -64,6 +64,9 @@ COUNTERS = {
     "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache",
     "prefix_cache_hits_total": "Of those, tokens whose KV came from the cache (not computed)",
     "prefix_cache_evictions_total": "Cached blocks evicted to make room",
+    "kv_handoff_blocks_pulled_total": "Blocks of handed-over prompts pulled from prefill",
+    "kv_handoff_blocks_skipped_total": "Blocks of handed-over prompts not pulled: this "
+    "instance had them in its prefix cache",
     "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
     "idle prefill instance (core_lock)",
     "engine_borrow_withheld_steps_total": "Decode steps run on decode's own cores although "
@@ -227,6 +230,8 @@ def record_kv_pool(
     if prefix is not None:
         stats.set_total("prefix_cache_queries_total", prefix.stats.queries)
         stats.set_total("prefix_cache_hits_total", prefix.stats.hits)
+        stats.set_total("kv_handoff_blocks_pulled_total", prefix.stats.blocks_pulled)
+        stats.set_total("kv_handoff_blocks_skipped_total", prefix.stats.blocks_skipped)
     stats.set_total("prefix_cache_evictions_total", allocator.num_evictions)
     return {
         "kv_blocks_used": allocator.num_used,

@@ -57,8 +57,9 @@ class KVTransport(ABC):
         them, where the transport's encoding is not raw)."""
 
     @abstractmethod
-    def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
-        """Copy the handle's blocks, in order, into ``dst_block_ids`` of the registered pool.
+    def fetch(self, handle: bytes, dst_block_ids: list[int], skip: int = 0) -> None:
+        """Copy the handle's blocks, in order, into ``dst_block_ids`` of the registered pool;
+        all but the first ``skip`` (the reader holds those already: cached).
 
         Raises ``InvalidHandle`` (nothing read) for a forged, altered, foreign, expired,
         nearly expired or already released handle, and ``ValueError`` (nothing read) when the
@@ -67,7 +68,9 @@ class KVTransport(ABC):
         """
 
     @abstractmethod
-    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
+    def fetch_layers(
+        self, handle: bytes, dst_block_ids: list[int], layers: range, skip: int = 0
+    ) -> None:
         """``fetch`` of ``layers`` only (a step-1 range of the layout's layers): how a reader
         pulls a streamed handle's layers as they are announced."""
 

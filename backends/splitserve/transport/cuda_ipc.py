@@ -299,7 +299,9 @@ class CudaIpcTransport(MappedTransport):
                 call("EventRecord", self._export.event, stream.cuda_stream)
         return super().export(req_id, block_ids, num_tokens)
 
-    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
+    def fetch_layers(
+        self, handle: bytes, dst_block_ids: list[int], layers: range, skip: int = 0
+    ) -> None:
         """The base class checks the handle and copies one strided slice per contiguous run; here
         those copies go to a stream of this transport's that first waits for the local compute
         stream and (in ``_open``) for the owner's event, and is synchronized before returning."""
@@ -310,7 +312,7 @@ class CudaIpcTransport(MappedTransport):
             self._stream = torch.cuda.Stream(device=device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            super().fetch_layers(handle, dst_block_ids, layers)
+            super().fetch_layers(handle, dst_block_ids, layers, skip)
         self._stream.synchronize()
 
     def _exported_pool_id(self, pool: KVPool) -> bytes | None:

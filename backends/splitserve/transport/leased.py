@@ -13,7 +13,7 @@ import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -181,12 +181,14 @@ class LeasedTransport(KVTransport):
             raise ValueError(f"layers {layers} are not a range of the registered pool's layers")
         self._encode(block_ids, layers)
 
-    def fetch(self, handle: bytes, dst_block_ids: list[int]) -> None:
+    def fetch(self, handle: bytes, dst_block_ids: list[int], skip: int = 0) -> None:
         if self._pool is None:
             raise RuntimeError("fetch needs a registered pool")
-        self.fetch_layers(handle, dst_block_ids, range(self._pool.layout.num_layers))
+        self.fetch_layers(handle, dst_block_ids, range(self._pool.layout.num_layers), skip)
 
-    def fetch_layers(self, handle: bytes, dst_block_ids: list[int], layers: range) -> None:
+    def fetch_layers(
+        self, handle: bytes, dst_block_ids: list[int], layers: range, skip: int = 0
+    ) -> None:
         if self._pool is None:
             raise RuntimeError("fetch needs a registered pool")
         pool = self._pool
@@ -196,14 +198,19 @@ class LeasedTransport(KVTransport):
                 raise InvalidHandle("KV handle already released here (replayed handle)")
         if h.layout != pool.layout:
             raise ValueError(f"handle layout {h.layout} differs from the local {pool.layout}")
-        if len(dst_block_ids) != len(h.block_ids) or len(set(dst_block_ids)) != len(dst_block_ids):
-            raise ValueError(f"need {len(h.block_ids)} distinct destination blocks")
+        if not 0 <= skip <= len(h.block_ids):
+            raise ValueError(f"cannot skip {skip} of the handle's {len(h.block_ids)} blocks")
+        wanted = len(h.block_ids) - skip
+        if len(dst_block_ids) != wanted or len(set(dst_block_ids)) != len(dst_block_ids):
+            raise ValueError(f"need {wanted} distinct destination blocks")
         if any(not 0 <= b < pool.num_blocks for b in dst_block_ids):
             raise ValueError(f"destination ids out of range [0, {pool.num_blocks})")
         if not 0 <= layers.start < layers.stop <= pool.layout.num_layers or layers.step != 1:
             raise ValueError(f"layers {layers} are not a range of this pool's layers")
         started = time.perf_counter_ns()
-        moved = self._copy_in(h, dst_block_ids, layers)
+        moved = 0
+        if dst_block_ids:  # every block cached here: nothing to read
+            moved = self._copy_in(replace(h, block_ids=h.block_ids[skip:]), dst_block_ids, layers)
         self._fetch_counts["fetch_ns"] += time.perf_counter_ns() - started
         self._fetch_counts["fetched_bytes"] += moved
         if h.encoding != "raw":

@@ -185,6 +185,11 @@ class PrefillModel:
         Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass."""
         reqs = [r for _, r in batch]
         self.engine.allocate(reqs)
+        # The pass keeps its own reference to the streamed blocks: a reader may release the
+        # lease (and so its reference) before the pass has written them all.
+        held = [list(r.block_ids) for r in reqs if len(r.prompt_ids) >= self.stream_min_tokens]
+        for ids in held:  # one reference per request: requests may share cached blocks
+            self.engine.allocator.share(ids)
         handles = {
             k: self.transport.export(r.request_id, r.block_ids, len(r.prompt_ids), streamed=True)
             for k, r in enumerate(reqs)
@@ -212,6 +217,8 @@ class PrefillModel:
             return
         finally:
             announcer.close()
+            for ids in held:
+                self.engine.allocator.free(ids)
         layers = self.pool.layout.num_layers
         for k, ((i, req), token) in enumerate(zip(batch, first, strict=True)):
             streamed = k in handles

@@ -45,7 +45,7 @@ class HandedOverKV:
         self.on_load = on_load
         self.release = release
 
-    def load(self, dst_block_ids: list[int]) -> None:
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
         self.on_load(len(dst_block_ids))
         self.release()
 

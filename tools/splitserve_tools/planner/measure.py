@@ -69,7 +69,7 @@ class Points:
 class _Kept:
     """A handed-over request's KV that is already in place: loading it copies nothing."""
 
-    def load(self, dst_block_ids: list[int]) -> None:
+    def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
         return None
 
     def discard(self) -> None:
