@@ -97,6 +97,8 @@ def test_placed_fields_are_not_settings(capsys: pytest.CaptureFixture[str], key:
         (["--param", "max_queue=-1"], "max_queue must be >= 0"),
         (["--param", "chunked_prefill=maybe"], "chunked_prefill: expected true or false"),
         (["--param", "transport=tcp"], "transport must be one of"),
+        (["--param", "prefill_routing=random"], "prefill_routing must be one of"),
+        (["--param", "prefix_cache=sometimes"], "prefix_cache: expected true or false"),
         (["--param", "dtype=int8"], "dtype must be one of"),
         (["--param", "max_num_seqs"], "--param expects KEY=VALUE"),
         (["--prefill-cores", "x"], "cpu_cores"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.serving.prefill_router import PrefillRouter
+from splitserve.serving.prefix_affinity import PrefixAffinity
 
 
 class Clock:
@@ -71,7 +72,13 @@ def test_failure_backoff_doubles_up_to_the_cap_and_success_resets(clock: Clock) 
 def test_probe_recovery_before_backoff_ends(clock: Clock) -> None:
     router = router_of(clock, "a:1", "b:1")
     router.mark_failed("b:1", now=clock.now)
-    assert router.counts() == {"servers": 2, "servers_up": 1, "servers_down": 1, "outstanding": 0}
+    assert router.counts() == {
+        "servers": 2,
+        "servers_up": 1,
+        "servers_down": 1,
+        "outstanding": 0,
+        "routed_by_prefix": 0,
+    }
     router.mark_ok("b:1")
     assert router.counts()["servers_up"] == 2
     assert {router.pick(), router.pick()} == {"a:1", "b:1"}
@@ -123,3 +130,51 @@ def test_end_never_goes_negative(clock: Clock) -> None:
     router.end("a:1")
     router.end("a:1")
     assert router.outstanding("a:1") == 0
+
+
+SYSTEM = list(range(1, 65))  # 4 blocks of 16
+
+
+def test_a_repeated_prefix_goes_where_it_went_while_load_allows(clock: Clock) -> None:
+    router = router_of(clock, "a:1", "b:1", "c:1")
+    hashes = router.affinity.hashes
+    first = router.pick(prefix=hashes([*SYSTEM, 7, 8]))
+    other = router.pick(prefix=hashes([99] * 40))
+    assert first != other
+    # A later turn of the conversation: its prompt repeats the first one.
+    router.begin(first)
+    router.begin(first)  # within the bound: 2 more in flight than the least loaded
+    assert router.pick(prefix=hashes([*SYSTEM, 7, 8, 9, 10])) == first
+    assert router.counts()["routed_by_prefix"] == 1
+    router.begin(first)  # beyond it: load wins
+    assert router.pick(prefix=hashes([*SYSTEM, 1])) != first
+
+
+def test_the_longest_match_wins_and_a_failed_server_is_forgotten(clock: Clock) -> None:
+    router = router_of(clock, "a:1", "b:1")
+    hashes = router.affinity.hashes
+    assert router.pick(prefix=hashes(SYSTEM[:32])) == "a:1"  # 2 blocks
+    router.affinity.routed("b:1", hashes(SYSTEM))  # b was sent all 4
+    assert router.pick(prefix=hashes([*SYSTEM, 5])) == "b:1"
+    assert router.pick(prefix=hashes(SYSTEM[:32])) == "a:1"  # equal matches: by load, name
+    router.mark_failed("b:1")
+    assert router.affinity.matched("b:1", hashes(SYSTEM)) == 0
+    router.update({"a:1"})
+    assert router.affinity.matched("a:1", hashes(SYSTEM)) == 2  # kept: a is still known
+
+
+def test_affinity_forgets_the_least_recently_routed_blocks_beyond_its_capacity() -> None:
+    affinity = PrefixAffinity(block_size=4, capacity=3)
+    old, new = affinity.hashes([1, 2, 3, 4, 5, 6, 7, 8]), affinity.hashes([9] * 8)
+    affinity.routed("s", old)
+    affinity.routed("s", new)
+    assert affinity.matched("s", old) == 0 and affinity.matched("s", new) == 2
+    with pytest.raises(ValueError, match="positive"):
+        PrefixAffinity(block_size=0)
+
+
+def test_least_loaded_routing_ignores_prefixes(clock: Clock) -> None:
+    router = PrefillRouter(("a:1", "b:1"), clock=clock, affinity_slack=None)
+    prefix = router.affinity.hashes(SYSTEM)
+    assert [router.pick(prefix=prefix) for _ in range(3)] == ["a:1", "b:1", "a:1"]
+    assert router.counts()["routed_by_prefix"] == 0

@@ -44,7 +44,8 @@ from splitserve.serving.prefill_client import (
     StreamListener,
 )
 from splitserve.serving.prefill_discovery import Discovery, discovery_from
-from splitserve.serving.prefill_router import PrefillRouter
+from splitserve.serving.prefill_router import AFFINITY_SLACK, PrefillRouter
+from splitserve.serving.prefix_affinity import PrefixAffinity
 
 if TYPE_CHECKING:
     from splitserve.serving.serving_config import ServingConfig
@@ -201,6 +202,10 @@ class RemotePrefillClient(PrefillClient):
             discovery_from(cfg.prefill_urls, cfg.prefill_dns),
             model_name=cfg.prefill_model,
             call_timeout_s=cfg.prefill_call_timeout_s,
+            router=PrefillRouter(
+                affinity=PrefixAffinity(cfg.engine.block_size),
+                affinity_slack=AFFINITY_SLACK if cfg.prefill_routing == "prefix" else None,
+            ),
         )
 
     async def prefill(
@@ -211,11 +216,12 @@ class RemotePrefillClient(PrefillClient):
         self._counts["calls"] += 1
         await self._started()
         inputs = prefill_inputs(call)
+        prefix = self.router.affinity.hashes(call.prompt_ids)
         tried: set[str] = set()
         failure: PrefillFailed | None = None
         # At most two servers: the picked one and, if it failed as a server, one other.
         while len(tried) < 2:
-            server = self.router.pick(exclude=tried)
+            server = self.router.pick(exclude=tried, prefix=prefix)
             if server is None:
                 break
             if tried:

@@ -15,6 +15,7 @@ from splitserve.typed_values import build
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSPORTS = ("cuda_ipc", "nixl", "shm")
+PREFILL_ROUTING = ("prefix", "least_loaded")
 PULL_MARGIN_S = 5.0
 """How much longer than a NIXL reader's transfer timeout its owner keeps blocks being read."""
 CONFIG_PARAMETER = "splitserve_config"
@@ -57,6 +58,10 @@ class ServingConfig:
     prefill_dns: str = ""
     """Decode role: ``NAME[:PORT]`` resolved every few seconds to the prefill servers (one per
     address record: a Kubernetes headless Service). Excludes ``prefill_urls``."""
+    prefill_routing: str = "prefix"
+    """Decode role with several prefill servers: ``prefix`` sends a prompt to the server that was
+    sent the longest run of its leading blocks while its load allows (``serving.prefill_router``),
+    ``least_loaded`` to the one with the fewest calls in flight."""
     prefill_call_timeout_s: float = 60.0
     """Decode role with remote prefill: the gRPC deadline of one prefill call, which is how a
     prefill server that went silent (a cut link) is noticed; the call then fails over."""
@@ -106,6 +111,10 @@ class ServingConfig:
             )
         if self.kv_transfer_dtype == "fp8" and self.transport != "nixl":
             raise ValueError("kv_transfer_dtype fp8 needs transport nixl (KV across machines)")
+        if self.prefill_routing not in PREFILL_ROUTING:
+            raise ValueError(
+                f"prefill_routing must be one of {PREFILL_ROUTING}, got {self.prefill_routing!r}"
+            )
         if self.kv_stream_min_tokens < 0:
             raise ValueError("kv_stream_min_tokens must be >= 0")
         if self.kv_stream_layers and self.transport != "nixl":

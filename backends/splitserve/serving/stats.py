@@ -50,6 +50,9 @@ COUNTERS = {
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
     "(then kv_load_failure_policy applies)",
     "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
+    "prefill_routed_by_prefix_total": "Remote prefill calls sent to the server that was sent "
+    "the longest run of their leading blocks (where their prefix is probably cached) rather "
+    "than to the least loaded one",
     "prefill_failovers_total": "Remote prefill calls retried on another prefill server after "
     "the first one failed",
     "engine_steps_total": "Forward passes of this instance's engine (a decode step of its "
@@ -219,6 +222,7 @@ TRANSPORT_COUNTERS = {
     "stream_wait_ns": ("kv_stream_wait_seconds_total", 1e-9),
     "prefill_calls": ("prefill_calls_total", 1.0),
     "prefill_failovers": ("prefill_failovers_total", 1.0),
+    "prefill_routed_by_prefix": ("prefill_routed_by_prefix_total", 1.0),
 }
 """``KVTransport.stats()`` key -> (counter name, scale)."""
 
