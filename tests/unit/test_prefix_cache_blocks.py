@@ -47,8 +47,10 @@ def test_cached_blocks_are_shared_kept_after_release_and_evicted_last() -> None:
     assert (a.num_used, a.num_free, a.num_cached, a.num_cached_free) == (0, 4, 2, 2)
     assert a.allocate(2) == [2, 3]  # uncached blocks first
     assert a.cached_prefix(h) == 2
-    assert a.allocate(1) == [ids[0]] and a.num_evictions == 1  # least recently freed
-    assert a.cached_prefix(h) == 0  # the chain breaks at its first block
+    assert a.allocate(1) == [ids[1]] and a.num_evictions == 1  # the chain's tail first
+    assert a.cached_prefix(h) == 1
+    assert a.allocate(1) == [ids[0]]
+    assert a.cached_prefix(h) == 0
     assert a.acquire(h) == []
 
 

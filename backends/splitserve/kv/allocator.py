@@ -92,11 +92,12 @@ class BlockAllocator:
 
     def free(self, ids: list[int]) -> None:
         """Drop one reference to each id; a block nobody references is free again (cached
-        ones evictable, most recently freed last)."""
+        ones evictable; a sequence's later blocks go first, since a prefix is matched from its
+        first block and a lost first block strands the rest)."""
         bad = [i for i in ids if i not in self._refs]
         if bad or len(set(ids)) != len(ids):
             raise ValueError(f"blocks not in use or freed twice: {bad or ids}")
-        for i in ids:
+        for i in reversed(ids):
             self._refs[i] -= 1
             if self._refs[i]:
                 continue

@@ -216,7 +216,8 @@ class RemotePrefillClient(PrefillClient):
         self._counts["calls"] += 1
         await self._started()
         inputs = prefill_inputs(call)
-        prefix = self.router.affinity.hashes(call.prompt_ids)
+        routed = self.router.affinity_slack is not None
+        prefix = self.router.affinity.hashes(call.prompt_ids) if routed else []
         tried: set[str] = set()
         failure: PrefillFailed | None = None
         # At most two servers: the picked one and, if it failed as a server, one other.
