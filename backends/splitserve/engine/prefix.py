@@ -40,37 +40,22 @@ class PrefixCache:
     def attach(self, req: Request) -> None:
         """Give ``req``, which holds no block, the cached blocks of its longest cached prefix
         (up to, not including, the block of its last token) as computed."""
-        assert not req.block_ids and req.num_computed == 0
-        usable = (req.num_tokens - 1) // self.block_size
-        ids = self.allocator.acquire(self._hashes(req, usable)[:usable])
-        req.block_ids = ids
-        req.num_cached_blocks = len(ids)
-        req.num_computed = len(ids) * self.block_size
-
-    def detach(self, req: Request) -> None:
-        """Undo ``attach`` for a request that could not be scheduled after all."""
-        if req.block_ids:
-            self.allocator.free(req.block_ids)
-        req.block_ids = []
-        req.num_cached_blocks = 0
-        req.num_computed = 0
+        assert req.num_computed == 0
+        taken = self._acquire(req, (req.num_tokens - 1) // self.block_size)
+        req.num_computed = taken * self.block_size
 
     def attach_arrived(self, req: Request) -> int:
         """Give a handed-over ``req`` (its prompt computed elsewhere), which holds no block,
         the cached blocks of its longest cached run of full prompt blocks; their count."""
-        assert not req.block_ids
-        full = req.num_computed // self.block_size
-        ids = self.allocator.acquire(self._hashes(req, full)[:full])
-        req.block_ids = ids
-        req.num_cached_blocks = len(ids)
-        return len(ids)
+        return self._acquire(req, req.num_computed // self.block_size)
 
-    def detach_arrived(self, req: Request) -> None:
-        """Undo ``attach_arrived`` for a request that cannot be admitted yet."""
-        if req.block_ids:
-            self.allocator.free(req.block_ids)
-        req.block_ids = []
-        req.num_cached_blocks = 0
+    def _acquire(self, req: Request, blocks: int) -> int:
+        """``req`` (no block yet) takes the cached blocks of its longest cached run among its
+        first ``blocks``; their count. The owner frees them as it frees the request's blocks."""
+        assert not req.block_ids
+        req.block_ids = self.allocator.acquire(self._hashes(req, blocks)[:blocks])
+        req.num_cached_blocks = len(req.block_ids)
+        return req.num_cached_blocks
 
     def count_arrived(self, req: Request, skipped: int) -> None:
         """``req`` is admitted: all but ``skipped`` of its prompt's blocks will be pulled."""

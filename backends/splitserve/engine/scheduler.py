@@ -232,8 +232,7 @@ class Scheduler:
             skip = self.prefix.attach_arrived(req) if self.prefix is not None else 0
             # A streamed request's first token comes later: its slot is reserved now.
             if not self._grow(req, req.num_tokens + (not req.output_ids)):
-                if self.prefix is not None:
-                    self.prefix.detach_arrived(req)
+                self.free(req)  # the cached blocks it took, if any
                 break
             self.arrived.popleft()
             if self.prefix is not None:
@@ -327,7 +326,8 @@ class Scheduler:
             if chunk:
                 prefix.count(req)
             else:
-                prefix.detach(req)
+                self.free(req)  # what attach gave it
+                req.num_computed = 0
         if chunk:
             out.prefills.append((req, chunk))
         return chunk
