@@ -33,7 +33,7 @@ def probe(rate: float, slowdown: float) -> Probe:
         times = [ttft + k * tpot for k in range(5)]
         records.append(RequestRecord(start=0.0, token_times=times, end=times[-1], output_tokens=5))
     records[-1] = RequestRecord(start=0.0, end=1.0, error="refused")
-    return Probe(rate, summarize(records, SLO_, 2.0), records, 2.0)
+    return Probe(rate, summarize(records, SLO_, 2.0), records, 2.0, REQUESTS)
 
 
 def results() -> list[TargetResult]:
@@ -46,7 +46,7 @@ def results() -> list[TargetResult]:
 
 def test_report_json(tmp_path: Path) -> None:
     report = build_report(
-        results(), workload="chatbot", requests=REQUESTS, slo=SLO_, config={"seed": 0},
+        results(), workload="chatbot", slo=SLO_, config={"seed": 0},
     )  # fmt: skip
     path = tmp_path / "out" / "bench.json"
     write_json(report, path)

@@ -14,7 +14,7 @@ from splitserve_tools.bench.main import BenchOptions, build_requests, schedule
 from splitserve_tools.bench.prompts import prompt_maker
 from splitserve_tools.bench.requests import Request, make_session_requests
 from splitserve_tools.bench.runner import run_schedule
-from splitserve_tools.workload.sessions import session_turns
+from splitserve_tools.workload.sessions import SESSION_SECONDS, probe_turns, session_turns
 
 
 def test_each_turn_repeats_the_last_with_its_reply_and_fits_the_context() -> None:
@@ -64,6 +64,16 @@ def test_sessions_arrive_at_the_rate_and_later_turns_wait_for_the_earlier() -> N
             assert offset == plan[req.follows][0]
     firsts = [offset for offset, req in plan if req.follows is None]
     assert firsts == sorted(firsts)
+
+
+def test_a_session_probe_sends_a_minute_of_turns_at_its_rate() -> None:
+    opts = BenchOptions(targets=["llm"], workload="multi-turn", num_requests=10, max_model_len=512)
+    assert len(build_requests(opts)) == 10
+    fast = build_requests(opts, 2.0)
+    assert len(fast) == probe_turns(10, 2.0) == 2 * SESSION_SECONDS
+    first = session_turns("multi-turn", 10, 512)
+    assert [r.input_len for r in fast[:10]] == [t.input_len for t in first]
+    assert probe_turns(500, 2.0) == 500
 
 
 class Recorder:

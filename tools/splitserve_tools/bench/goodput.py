@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from splitserve_client.stream import RequestRecord
 from splitserve_tools.bench.metrics import Summary, records_attainment, summarize
+from splitserve_tools.bench.requests import Request
 from splitserve_tools.bench.runner import Schedule, run_schedule
 from splitserve_tools.bench.target import Target
 from splitserve_tools.workload.search import SearchSettings, find_goodput_async
@@ -25,6 +26,8 @@ class Probe:
     summary: Summary
     records: list[RequestRecord]
     duration_s: float
+    requests: list[Request]
+    """What was sent, in the records' order (a session workload's probes differ in count)."""
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,12 @@ class GoodputResult:
 async def probe(
     target: Target, schedule_for: ScheduleFactory, rate: float, slo: SLO, progress: bool = True
 ) -> Probe:
+    schedule = schedule_for(rate)
     run = await run_schedule(
-        target, schedule_for(rate), progress=progress, desc=f"{target.name} @ {rate:.3g} req/s"
+        target, schedule, progress=progress, desc=f"{target.name} @ {rate:.3g} req/s"
     )
-    return Probe(rate, summarize(run.records, slo, run.duration_s), run.records, run.duration_s)
+    summary = summarize(run.records, slo, run.duration_s)
+    return Probe(rate, summary, run.records, run.duration_s, [r for _, r in schedule])
 
 
 async def search_goodput(

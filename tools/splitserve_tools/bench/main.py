@@ -18,7 +18,7 @@ from splitserve_tools.bench.target import make_target
 from splitserve_tools.workload.arrivals import arrival_times
 from splitserve_tools.workload.lengths import workload_lengths
 from splitserve_tools.workload.search import SearchSettings
-from splitserve_tools.workload.sessions import SESSION_WORKLOADS, session_turns
+from splitserve_tools.workload.sessions import SESSION_WORKLOADS, probe_turns, session_turns
 from splitserve_tools.workload.slo import SLO
 
 
@@ -69,11 +69,13 @@ def rate_seed(seed: int, rate: float) -> int:
 
 
 def build_requests(opts: BenchOptions, rate: float | None = None) -> list[Request]:
-    """The requests of a probe at ``rate`` (None: of the bench's ``seed`` alone)."""
+    """The requests of a probe at ``rate`` (None: of the bench's ``seed`` alone). A session
+    workload's probe sends at least a minute of turns at its rate (``probe_turns``)."""
     tokenizer = load_bench_tokenizer(opts.tokenizer)
     seed = opts.seed if rate is None else rate_seed(opts.seed, rate)
     if opts.workload in SESSION_WORKLOADS:
-        turns = session_turns(opts.workload, opts.num_requests, opts.max_model_len, opts.seed)
+        count = opts.num_requests if rate is None else probe_turns(opts.num_requests, rate)
+        turns = session_turns(opts.workload, count, opts.max_model_len, opts.seed)
         return make_session_requests(turns, prompt_maker(tokenizer), seed)
     return make_requests(build_lengths(opts), prompt_maker(tokenizer), seed)
 
@@ -122,16 +124,9 @@ async def run_bench(opts: BenchOptions) -> dict[str, Any]:
     if not opts.goodput and opts.rate is None:
         raise ValueError("give --rate, or --goodput to search for it")
     slo = SLO(opts.ttft_slo, opts.tpot_slo, opts.attainment)
-    requests = build_requests(opts)  # the lengths, which every probe shares
     results = [await _bench_target(spec, opts, slo) for spec in opts.targets]
     config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()}
-    report = build_report(
-        results,
-        workload=opts.workload,
-        requests=requests,
-        slo=slo,
-        config=config,
-    )
+    report = build_report(results, workload=opts.workload, slo=slo, config=config)
     if opts.json_path is not None:
         write_json(report, opts.json_path)
     if opts.plot_dir is not None:
@@ -146,13 +141,15 @@ def bench(opts: BenchOptions) -> dict[str, Any]:
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """A plain table of the report's summary: one line per target."""
     lines = [
-        f"{'target':<40} {'rate':>7} {'attain':>6} {'goodput':>8} {'TTFT p50/p99 ms':>17} "
+        f"{'target':<40} {'rate':>7} {'sent/s':>6} {'attain':>6} {'goodput':>8} "
+        f"{'TTFT p50/p99 ms':>17} "
         f"{'TPOT p50/p99 ms':>17} {'errors':>6}"
     ]
     for s in report["summary"]:
         goodput = "-" if s["goodput_rps"] is None else f"{s['goodput_rps']:.3g}"
         lines.append(
-            f"{s['target']:<40} {s['rate']:>7.3g} {s['attainment']:>6.2f} {goodput:>8} "
+            f"{s['target']:<40} {s['rate']:>7.3g} {s['requests_per_s']:>6.3g} "
+            f"{s['attainment']:>6.2f} {goodput:>8} "
             f"{_ms(s['ttft_p50'])}/{_ms(s['ttft_p99'])} {_ms(s['tpot_p50'])}/{_ms(s['tpot_p99'])} "
             f"{s['errors']:>6}"
         )

@@ -44,6 +44,9 @@ class Summary:
     tpot: dict[int, float]
     e2e: dict[int, float]
     output_tokens_per_s: float
+    requests_per_s: float
+    """Sent over the run's duration: below the probed rate where later turns wait on earlier
+    ones or the run's tail outlasts its arrivals."""
 
     def flat(self) -> dict[str, float | int]:
         """``ttft_p50``, ``tpot_p99``, ... as plain keys, with the counts and attainment."""
@@ -52,6 +55,7 @@ class Summary:
             "errors": self.errors,
             "attainment": self.attainment,
             "output_tokens_per_s": self.output_tokens_per_s,
+            "requests_per_s": self.requests_per_s,
         }
         for name, values in (("ttft", self.ttft), ("tpot", self.tpot), ("e2e", self.e2e)):
             out.update({f"{name}_p{p}": v for p, v in values.items()})
@@ -69,4 +73,5 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, duration_s: float) -> 
         tpot=percentiles([r.tpot for r in ok]),
         e2e=percentiles([r.e2e for r in ok]),
         output_tokens_per_s=tokens / duration_s if duration_s > 0 else math.nan,
+        requests_per_s=len(records) / duration_s if duration_s > 0 else math.nan,
     )

@@ -11,7 +11,6 @@ from typing import Any
 
 from splitserve_tools.bench.goodput import Probe
 from splitserve_tools.bench.metrics import failed
-from splitserve_tools.bench.requests import Request
 from splitserve_tools.workload.slo import SLO
 
 
@@ -45,9 +44,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def _run_entry(
-    result: TargetResult, p: Probe, workload: str, requests: Sequence[Request], slo: SLO
-) -> dict[str, Any]:
+def _run_entry(result: TargetResult, p: Probe, workload: str, slo: SLO) -> dict[str, Any]:
     return {
         "target": result.target,
         "workload": workload,
@@ -66,7 +63,7 @@ def _run_entry(
                 "e2e": rec.e2e,
                 "error": rec.error,
             }
-            for req, rec in zip(requests, p.records, strict=True)
+            for req, rec in zip(p.requests, p.records, strict=True)
         ],
     }
 
@@ -75,11 +72,10 @@ def build_report(
     results: Sequence[TargetResult],
     *,
     workload: str,
-    requests: Sequence[Request],
     slo: SLO,
     config: dict[str, Any],
 ) -> dict[str, Any]:
-    runs = [_run_entry(r, p, workload, requests, slo) for r in results for p in r.probes]
+    runs = [_run_entry(r, p, workload, slo) for r in results for p in r.probes]
     summary = [
         {
             "target": r.target,

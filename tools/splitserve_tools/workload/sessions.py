@@ -12,11 +12,22 @@ prompt. A session sends its next turn ``think_s`` after the previous one ended.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from splitserve_tools.workload.lengths import MIN_INPUT_LEN
+
+SESSION_SECONDS = 60.0
+"""A probe of a session workload at ``rate`` sends at least ``rate * SESSION_SECONDS`` turns:
+later turns wait for earlier ones, so a short run of few sessions is a closed loop of that many
+users whatever its nominal rate, not the open-loop load the rate names."""
+
+
+def probe_turns(num_requests: int, rate: float) -> int:
+    """How many turns a probe at ``rate`` requests/s sends."""
+    return max(num_requests, math.ceil(rate * SESSION_SECONDS))
 
 
 @dataclass(frozen=True)
