@@ -10,6 +10,7 @@ from typing import Any
 
 from splitserve_tools.planner.plan_ceiling import add_ceiling_parser
 from splitserve_tools.planner.plan_link import add_link_parser
+from splitserve_tools.workload.sessions import SESSION_WORKLOADS
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -151,6 +152,10 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
     )
     slo = SLO(args.ttft_slo, args.tpot_slo, args.attainment)
     base = default_limits(profile, args.kv_cache_bytes)
+    if args.no_prefix_cache:
+        from dataclasses import replace
+
+        base = replace(base, prefix_cache=False)
     results = []
     for devices in budgets:
         result = search_budget(profile, traffic, slo, devices, base, not args.no_progress)
@@ -272,8 +277,13 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
     s = psub.add_parser("search", help="simulate placements and rank them by goodput per device")
     s.add_argument("--profile", type=Path, required=True)
     s.add_argument(
-        "--workload", choices=["chatbot", "code", "summarization", "fixed"], default="chatbot"
+        "--workload",
+        choices=["chatbot", "code", "summarization", "fixed", *SESSION_WORKLOADS],
+        default="chatbot",
+        help="multi-turn / shared-prefix: prompts that share prefixes, served by the simulated "
+        "prefix caches (--no-prefix-cache: as a server without them)",
     )
+    s.add_argument("--no-prefix-cache", action="store_true")
     s.add_argument("--input-len", type=int)
     s.add_argument("--output-len", type=int)
     s.add_argument("--ttft-slo", type=float, required=True, help="seconds")

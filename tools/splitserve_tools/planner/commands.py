@@ -116,10 +116,14 @@ def result_lines(profile: Profile, result: SearchResult, top: int) -> list[str]:
     unit = profile.unit_name
     tag = " [MODELLED profile]" if profile.modelled else ""
     lines = [f"{result.devices} {unit}{tag}: best placements by goodput per device"]
-    lines.append(f"  {'#':>2}  {'goodput req/s':>13}  {'per device':>10}  placement")
+    hits = any(c.prefix_hit_rate for c in result.ranked)
+    hit_head = f"  {'prefix hit':>10}" if hits else ""
+    lines.append(f"  {'#':>2}  {'goodput req/s':>13}  {'per device':>10}{hit_head}  placement")
     for i, c in enumerate(result.ranked[:top], 1):
+        hit = f"  {c.prefix_hit_rate:>10.2f}" if hits else ""
         lines.append(
-            f"  {i:>2}  {c.goodput_rps:>13.3f}  {c.per_device:>10.3f}  {c.placement.describe(unit)}"
+            f"  {i:>2}  {c.goodput_rps:>13.3f}  {c.per_device:>10.3f}{hit}  "
+            f"{c.placement.describe(unit)}"
         )
     if result.default is not None:
         d = result.default
@@ -137,6 +141,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "goodput_rps": c.goodput_rps,
         "per_device": c.per_device,
         "curve": [list(p) for p in c.curve],
+        "prefix_hit_rate": c.prefix_hit_rate,
     }
 
 

@@ -15,26 +15,16 @@ handover in its engine loop, then waits in the scheduler until its KV can be pul
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 
+from splitserve.engine.prefix import PrefixCache, PrefixStats
 from splitserve.engine.request import Request, Status
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from splitserve.kv.allocator import BlockAllocator
-from splitserve_tools.planner.events import Clock, SimRequest
+from splitserve_tools.planner.events import SIM_KEY, TOKEN, Clock, SimRequest, engine_request
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.prefill_pool import Release
 from splitserve_tools.planner.step_model import StepModel
-
-TOKEN = 0
-"""Every prompt and sampled token: the scheduler counts tokens, never reads them."""
-
-
-@cache
-def _params(output_len: int) -> SamplingParams:
-    """Shared by every request of that length: nothing in the scheduler writes to them."""
-    return SamplingParams(max_tokens=output_len, ignore_eos=True)
 
 
 class HandedOverKV:
@@ -62,19 +52,24 @@ class EngineInstance:
         model: StepModel,
         limits: Limits,
         kv_blocks: int,
+        prefix_cache: bool = False,
     ) -> None:
         self.clock = clock
         self.machine = machine
         self.units = units
         self.model = model
+        allocator = BlockAllocator(kv_blocks)
+        self.prefix = PrefixCache(allocator, model.block_size, SIM_KEY) if prefix_cache else None
         self.scheduler = Scheduler(
-            BlockAllocator(kv_blocks),
+            allocator,
             SchedulerLimits(
                 block_size=model.block_size,
                 max_num_seqs=limits.max_num_seqs,
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 chunked_prefill=limits.chunked_prefill,
+                prefix_cache=prefix_cache,
             ),
+            prefix=self.prefix,
         )
         self.sims: dict[Request, SimRequest] = {}
         """Every request in this engine, and the run's record of it."""
@@ -95,9 +90,12 @@ class EngineInstance:
         self._hand_over(sim, release)
         self._kick()
 
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        return PrefixStats() if self.prefix is None else self.prefix.stats
+
     def _request(self, sim: SimRequest) -> Request:
-        prompt = [TOKEN] * sim.input_len
-        req = Request(str(sim.idx), prompt, _params(sim.output_len), seed=0, arrival=sim.arrival)
+        req = engine_request(sim)
         self.sims[req] = sim
         return req
 
@@ -135,13 +133,19 @@ class EngineInstance:
         self.clock.at(self.clock.now + seconds, lambda: self._end_step(out))
 
     def _end_step(self, out: SchedulerOutput) -> None:
-        """What ``Engine.step`` does once the forward pass is back."""
+        """What ``Engine.step`` does once the forward pass is back: the KV is written (and its
+        full blocks cached), then tokens are sampled."""
         for req in out.decodes:
             req.num_computed = req.num_tokens
-            if self._sample(req):
-                self.scheduler.remove(req)
         for req, n in out.prefills:
             req.num_computed += n
+        if self.prefix is not None:
+            for req in [*out.decodes, *(r for r, _ in out.prefills)]:
+                self.prefix.commit(req)
+        for req in out.decodes:
+            if self._sample(req):
+                self.scheduler.remove(req)
+        for req, _ in out.prefills:
             if req.num_computed == req.num_tokens and self._sample(req):
                 self.scheduler.remove(req)
         self.machine.end(self.units)

@@ -36,6 +36,8 @@ class Limits:
     """Colocated engines: split long prompts over steps within ``max_num_batched_tokens``."""
     kv_cache_bytes: int = 512 << 20
     """KV pool of each instance."""
+    prefix_cache: bool = True
+    """Instances reuse the KV of cached prompt prefixes, as the server does by default."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_max_batch_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -84,6 +84,8 @@ class Plan:
             "max_model_len": self.max_model_len,
             "kv_cache_bytes": lim.kv_cache_bytes,
         }
+        if not lim.prefix_cache:
+            settings["prefix_cache"] = "false"
         params: dict[str, dict[str, Any]] = {
             "prefill": {},
             "decode": {"max_num_seqs": lim.max_num_seqs},

@@ -3,7 +3,9 @@
 One queue: an idle instance takes up to ``max_batch_size`` requests once that many wait or the
 oldest has waited ``queue_delay``. Each instance's KV pool is a real ``BlockAllocator``; a
 prompt's blocks stay allocated after its pass (leased to its decode
-instance) until decode pulls or discards them, so a full pool stalls prefill.
+instance) until decode pulls or discards them, so a full pool stalls prefill. With prefix
+caching, each instance runs the engine's ``PrefixCache`` as ``PrefillEngine`` does: a prompt
+starts from its longest cached prefix, whose tokens its pass does not compute.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
+from splitserve.engine.prefix import PrefixCache, PrefixStats
+from splitserve.engine.request import Request
 from splitserve.kv.allocator import BlockAllocator
-from splitserve_tools.planner.events import Clock, SimRequest
+from splitserve_tools.planner.events import SIM_KEY, Clock, SimRequest, engine_request
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.step_model import StepModel
@@ -34,6 +38,7 @@ class PrefillPool:
         limits: Limits,
         kv_blocks: int,
         on_done: Callable[[SimRequest, Release], None],
+        prefix_cache: bool = False,
     ) -> None:
         self.clock = clock
         self.machine = machine
@@ -45,14 +50,40 @@ class PrefillPool:
         self.queue: deque[tuple[float, SimRequest]] = deque()
         self.idle = list(range(instances))
         self.pools = [BlockAllocator(kv_blocks) for _ in range(instances)]
+        self.caches = [
+            PrefixCache(pool, model.block_size, SIM_KEY) if prefix_cache else None
+            for pool in self.pools
+        ]
         self._timer_at = math.inf
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        total = PrefixStats()
+        for c in self.caches:
+            if c is not None:
+                total.queries += c.stats.queries
+                total.hits += c.stats.hits
+        return total
 
     def submit(self, req: SimRequest) -> None:
         self.queue.append((self.clock.now, req))
         self._dispatch()
 
-    def _blocks(self, req: SimRequest) -> int:
-        return -(-req.input_len // self.model.block_size)
+    def _take(self, inst: int, sim: SimRequest) -> Request | None:
+        """``sim``'s prompt blocks on instance ``inst`` (``PrefillEngine.allocate``): its cached
+        prefix's, then new ones; None, holding nothing, if they do not fit."""
+        pool, cache = self.pools[inst], self.caches[inst]
+        req = engine_request(sim)
+        if cache is not None:
+            cache.attach(req)
+        need = -(-sim.input_len // self.model.block_size) - len(req.block_ids)
+        if not pool.can_allocate(need):
+            pool.free(req.block_ids)
+            return None
+        if cache is not None:
+            cache.count(req)
+        req.block_ids += pool.allocate(need)
+        return req
 
     def _dispatch(self) -> None:
         while self.queue and self.idle:
@@ -64,17 +95,18 @@ class PrefillPool:
                 return
             # The instance with the most free blocks takes the batch.
             inst = max(self.idle, key=lambda i: self.pools[i].num_free)
-            pool = self.pools[inst]
-            batch: list[tuple[SimRequest, list[int]]] = []
+            batch: list[tuple[SimRequest, Request]] = []
             while self.queue and len(batch) < self.max_batch:
-                need = self._blocks(self.queue[0][1])
-                if not pool.can_allocate(need):
+                req = self._take(inst, self.queue[0][1])
+                if req is None:
                     break
-                batch.append((self.queue.popleft()[1], pool.allocate(need)))
+                batch.append((self.queue.popleft()[1], req))
             if not batch:
                 return
             self.idle.remove(inst)
-            seconds = self.model.prompt_pass([req.input_len for req, _ in batch])
+            seconds = self.model.prompt_pass(
+                [sim.input_len for sim, _ in batch], [req.num_computed for _, req in batch]
+            )
             seconds = self.machine.step_seconds(self.units, seconds, 0.0)
             self.machine.begin(self.units)
             done_at = self.clock.now + seconds
@@ -84,11 +116,14 @@ class PrefillPool:
         self._timer_at = math.inf
         self._dispatch()
 
-    def _finish(self, inst: int, batch: list[tuple[SimRequest, list[int]]]) -> None:
+    def _finish(self, inst: int, batch: list[tuple[SimRequest, Request]]) -> None:
         self.machine.end(self.units)
         self.idle.append(inst)
-        for req, blocks in batch:
-            self.on_done(req, partial(self._release, inst, blocks))
+        cache = self.caches[inst]
+        for sim, req in batch:
+            if cache is not None:
+                cache.commit(req, sim.input_len)
+            self.on_done(sim, partial(self._release, inst, req.block_ids))
         self._dispatch()
 
     def _release(self, inst: int, blocks: list[int]) -> None:

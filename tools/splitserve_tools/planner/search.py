@@ -30,16 +30,13 @@ class Candidate:
     goodput_rps: float
     curve: tuple[tuple[float, float], ...]
     """(rate, attainment) of every simulated run, by rate."""
+    prefix_hit_rate: float = 0.0
+    """Of the prompt tokens looked up in the prefix caches, the share they served, in the run
+    at the goodput (the lowest rate probed where nothing passed)."""
 
     @property
     def per_device(self) -> float:
         return self.goodput_rps / self.placement.devices
-
-
-def attainment_at(
-    profile: Profile, placement: Placement, traffic: Traffic, slo: SLO, rate: float
-) -> float:
-    return run(profile, placement, traffic, rate).attainment(slo.ttft_s, slo.tpot_s)
 
 
 def goodput(
@@ -55,10 +52,17 @@ def goodput(
     """Goodput within [``min_rate``, ``max_rate``]: ``max_rate`` if it passes there, 0 if
     nothing from ``min_rate`` up passes."""
     settings = SearchSettings(min_rate, max_rate, start=first_rate, rel_tol=rel_tol)
-    found = find_goodput(
-        lambda rate: attainment_at(profile, placement, traffic, slo, rate), slo.attainment, settings
-    )
-    return Candidate(placement, found.goodput_rps, tuple(sorted(dict(found.probes).items())))
+    hits: dict[float, float] = {}
+
+    def attained(rate: float) -> float:
+        result = run(profile, placement, traffic, rate)
+        hits[rate] = result.prefix_hit_rate
+        return result.attainment(slo.ttft_s, slo.tpot_s)
+
+    found = find_goodput(attained, slo.attainment, settings)
+    curve = tuple(sorted(dict(found.probes).items()))
+    hit = hits.get(found.goodput_rps, hits[min(hits)])
+    return Candidate(placement, found.goodput_rps, curve, hit)
 
 
 def splits(profile: Profile, devices: int) -> list[Placement]:

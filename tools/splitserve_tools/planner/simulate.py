@@ -7,19 +7,23 @@ the rest. Colocated: the request queues at an ``llm_colocated`` instance (in tur
 mixes its prompt pass with the running decodes. Every engine instance is driven by the
 engine's own scheduler (``instances``). Traffic is the bench's (``splitserve_tools.workload``):
 the same length distributions and arrival processes, with the same seeds, so a simulated run
-predicts a measured one request for request.
+predicts a measured one request for request. A session workload's later turns are sent
+``think_s`` after the turns before them end, and their prompts repeat the earlier ones, so the
+engine's prefix cache (on each instance that computes prompts, and on decode for the blocks it
+need not pull) serves what it would serve in the served run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import cycle
 
 import numpy as np
 
+from splitserve.engine.prefix import PrefixStats
 from splitserve_tools.planner.events import Clock, SimRequest
 from splitserve_tools.planner.instances import EngineInstance
 from splitserve_tools.planner.machine import Machine
@@ -29,6 +33,12 @@ from splitserve_tools.planner.profile import Profile
 from splitserve_tools.planner.step_model import StepModel
 from splitserve_tools.workload.arrivals import arrival_times
 from splitserve_tools.workload.lengths import workload_lengths
+from splitserve_tools.workload.sessions import (
+    SESSION_WORKLOADS,
+    Turn,
+    probe_turns,
+    session_turns,
+)
 from splitserve_tools.workload.slo import SLO, attainment
 
 
@@ -47,6 +57,11 @@ class Traffic:
     seed: int = 0
     min_duration_s: float = 0.0
     max_requests: int = 20000
+    sessions: str | None = None
+    """A session workload (``workload.sessions``): the run is its turns, as many as the
+    bench's probe at that rate sends; ``lengths`` are those of its first ``len(lengths)``."""
+    max_model_len: int = 0
+    """Of a session workload's turns."""
 
     @classmethod
     def of_workload(
@@ -61,18 +76,71 @@ class Traffic:
         output_len: int | None = None,
         min_duration_s: float = 0.0,
     ) -> Traffic:
+        if workload in SESSION_WORKLOADS:
+            turns = session_turns(workload, num_requests, max_model_len, seed)
+            firsts = tuple((t.input_len, t.output_len) for t in turns)
+            return cls(firsts, arrival, cv, seed, min_duration_s, 20000, workload, max_model_len)
         lengths = workload_lengths(
             workload, num_requests, max_model_len, seed, input_len=input_len, output_len=output_len
         )
         return cls(tuple(lengths), arrival, cv, seed, min_duration_s)
 
-    def at_rate(self, rate: float) -> tuple[list[tuple[int, int]], np.ndarray]:
-        """The lengths and arrival times of a run at ``rate``."""
+    def _count(self, rate: float, least: int) -> int:
         wanted = math.ceil(rate * self.min_duration_s)
-        count = max(len(self.lengths), min(wanted, self.max_requests))
+        return max(least, min(wanted, self.max_requests))
+
+    def requests_at(self, rate: float) -> list[SimRequest]:
+        """The requests of a run at ``rate``, their arrival times set (a later turn of a
+        session: when it is sent)."""
+        if self.sessions is not None:
+            count = self._count(rate, probe_turns(len(self.lengths), rate))
+            return session_requests(
+                session_turns(self.sessions, count, self.max_model_len, self.seed),
+                rate,
+                self.arrival,
+                self.seed,
+                self.cv,
+            )
+        count = self._count(rate, len(self.lengths))
         reps = -(-count // len(self.lengths))
         lengths = (list(self.lengths) * reps)[:count]
-        return lengths, arrival_times(self.arrival, rate, count, self.seed, self.cv)
+        times = arrival_times(self.arrival, rate, count, self.seed, self.cv)
+        return [
+            SimRequest(i, float(t), inp, out)
+            for i, ((inp, out), t) in enumerate(zip(lengths, times, strict=True))
+        ]
+
+
+def session_requests(
+    turns: Sequence[Turn], rate: float, arrival: str, seed: int, cv: float
+) -> list[SimRequest]:
+    """The turns as the bench sends them (``bench.main.schedule``): sessions arrive at the rate
+    that sends ``rate`` turns/s, each later turn after the one it follows. A prompt's tokens
+    are one id per segment (the system prompt shared by all sessions, every other message and
+    reply its session's), so two prompts share exactly the blocks the bench's texts share,
+    up to the merges of BPE across segment boundaries."""
+    firsts = [i for i, t in enumerate(turns) if t.follows is None]
+    times = arrival_times(arrival, rate * len(firsts) / len(turns), len(firsts), seed, cv)
+    start = dict(zip(firsts, times.tolist(), strict=True))
+    ids: dict[tuple[int, int], int] = {}
+    reqs = []
+    for i, t in enumerate(turns):
+        prompt: list[int] = []
+        for pos, n in enumerate(t.segments):
+            key = (0, 0) if pos == 0 else (t.session + 1, pos)
+            prompt += [ids.setdefault(key, len(ids) + 1)] * n
+        reqs.append(
+            SimRequest(
+                i,
+                start.get(i, math.nan),
+                t.input_len,
+                t.output_len,
+                prompt=tuple(prompt),
+                follows=t.follows,
+                think_s=t.think_s,
+            )
+        )
+    return reqs
 
 
 @dataclass(frozen=True)
@@ -85,6 +153,13 @@ class SimResult:
     tpot: np.ndarray
     e2e: np.ndarray
     output_len: np.ndarray
+    prefix: PrefixStats
+    """The prefix caches' lookups, summed over the instances that compute prompts."""
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prompt tokens served from a prefix cache over those looked up (0 with none)."""
+        return self.prefix.hits / self.prefix.queries if self.prefix.queries else 0.0
 
     def attainment(self, ttft_slo: float, tpot_slo: float) -> float:
         return attainment(self.ttft, self.tpot, np.isfinite(self.e2e), SLO(ttft_slo, tpot_slo))
@@ -121,18 +196,18 @@ def pool_blocks(profile: Profile, kv_cache_bytes: int, lengths: Sequence[tuple[i
 
 
 def simulate(
-    profile: Profile, placement: Placement, lengths: Sequence[tuple[int, int]], times: np.ndarray
-) -> list[SimRequest]:
-    """Run the placement over requests arriving at ``times``; returns them, finished or not."""
+    profile: Profile, placement: Placement, reqs: Sequence[SimRequest]
+) -> tuple[Sequence[SimRequest], PrefixStats]:
+    """Run the placement over ``reqs``; returns them, finished or not, and the prefix caches'
+    lookups. Prefix caching is simulated where the limits turn it on and prompts share
+    prefixes (``SimRequest.prompt``); other prompts could not hit."""
     clock = Clock()
     machine = Machine(profile.contention, placement.devices)
     lim = placement.limits
-    reqs = [
-        SimRequest(i, float(t), inp, out)
-        for i, ((inp, out), t) in enumerate(zip(lengths, times, strict=True))
-    ]
     delay = profile.serving.request_s
-    blocks = pool_blocks(profile, lim.kv_cache_bytes, lengths)
+    blocks = pool_blocks(profile, lim.kv_cache_bytes, [(r.input_len, r.output_len) for r in reqs])
+    caching = lim.prefix_cache and any(r.prompt is not None for r in reqs)
+    submit: Callable[[SimRequest], None]
 
     if placement.mode == "disagg":
         assert placement.prefill is not None and placement.decode is not None
@@ -145,6 +220,7 @@ def simulate(
                 step_model(profile, decode, placement.prefill),
                 lim,
                 blocks,
+                caching,
             )
             for _ in range(decode.instances)
         ]
@@ -158,27 +234,53 @@ def simulate(
             lim,
             blocks,
             lambda req, release: owner[req.idx].add_prefilled(req, release),
+            caching,
         )
         turn = cycle(decoders)
-        for req in reqs:
+
+        def submit(req: SimRequest) -> None:
             owner[req.idx] = next(turn)
-            clock.at(req.arrival + delay, partial(pool.submit, req))
+            pool.submit(req)
+
+        computing: Sequence[PrefillPool | EngineInstance] = [pool]
     else:
         assert placement.colocated is not None
         role = placement.colocated
         model = step_model(profile, role)
         engines = [
-            EngineInstance(clock, machine, role.units, model, lim, blocks)
+            EngineInstance(clock, machine, role.units, model, lim, blocks, caching)
             for _ in range(role.instances)
         ]
-        for req, engine in zip(reqs, cycle(engines)):
-            clock.at(req.arrival + delay, partial(engine.add_prompt, req))
+        next_engine = cycle(engines)
+
+        def submit(req: SimRequest) -> None:
+            next(next_engine).add_prompt(req)
+
+        computing = engines
+
+    for req in reqs:
+        if req.follows is None:
+            clock.at(req.arrival + delay, partial(submit, req))
+        else:
+            reqs[req.follows].on_finish = partial(_send_after, clock, req, delay, submit)
     clock.run()
-    return reqs
+    total = PrefixStats()
+    for part in computing:
+        total.queries += part.prefix_stats.queries
+        total.hits += part.prefix_stats.hits
+    return reqs, total
+
+
+def _send_after(
+    clock: Clock, req: SimRequest, delay: float, submit: Callable[[SimRequest], None], now: float
+) -> None:
+    """A later turn is sent ``think_s`` after the turn it follows ended."""
+    req.arrival = now + req.think_s
+    clock.at(req.arrival + delay, partial(submit, req))
 
 
 def run(profile: Profile, placement: Placement, traffic: Traffic, rate: float) -> SimResult:
-    reqs = simulate(profile, placement, *traffic.at_rate(rate))
+    reqs, prefix = simulate(profile, placement, traffic.requests_at(rate))
     arrival = np.array([r.arrival for r in reqs])
     first = np.array([r.first for r in reqs])
     last = np.array([r.last for r in reqs])
@@ -186,4 +288,4 @@ def run(profile: Profile, placement: Placement, traffic: Traffic, rate: float) -
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(out > 1, (last - first) / np.maximum(out - 1, 1), math.nan)
     tpot = np.where(np.isfinite(last), tpot, math.nan)
-    return SimResult(rate, first - arrival, tpot, last - arrival, out)
+    return SimResult(rate, first - arrival, tpot, last - arrival, out, prefix)

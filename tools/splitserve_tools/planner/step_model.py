@@ -43,10 +43,14 @@ class StepModel:
     def _served(self, seconds: float, streams: bool) -> float:
         return seconds * self.pass_factor * (self.stream_pass_factor if streams else 1.0)
 
-    def prompt_pass(self, input_lens: Sequence[int]) -> float:
-        """One packed pass over whole prompts (the prefill role); it streams if any of its
-        prompts does."""
-        seconds = self.prefill(sum(input_lens), sum(n * n for n in input_lens))
+    def prompt_pass(self, input_lens: Sequence[int], cached: Sequence[int] = ()) -> float:
+        """One packed pass over prompts (the prefill role), each computing all but its first
+        ``cached`` tokens (served from the prefix cache; none where ``cached`` is short),
+        whose attention reads them too; it streams if any of its prompts does."""
+        hits = [*cached, *[0] * (len(input_lens) - len(cached))]
+        new = [n - c for n, c in zip(input_lens, hits, strict=True)]
+        pairs = sum(k * k + 2 * k * c for k, c in zip(new, hits, strict=True))
+        seconds = self.prefill(sum(new), pairs)
         return self._served(seconds, any(map(self.handoff.streams, input_lens)))
 
     def loaded_s(self, blocks: int) -> float:
