@@ -155,3 +155,19 @@ def test_disaggregated_prefill_reuses_its_cache_and_decode_caches_what_arrives(l
     assert prefix.stats.blocks_pulled + prefix.stats.blocks_skipped == sum(
         -(-len(p) // 8) for p in prompts()
     )
+
+
+def test_prefill_admission_counts_shared_cached_blocks_as_taking_nothing(llama32_ckpt):
+    engine = llm(llama32_ckpt, True).engine
+    pool = KVPool(engine.runner.pool.layout, 16)
+    prefill = PrefillEngine(engine.runner.model, pool, engine.eos_ids, engine.max_model_len, True)
+    first, second = Request("a", [*SYSTEM, 300], GREEDY), Request("b", [*SYSTEM, 301, 302], GREEDY)
+    assert prefill.free_blocks_for(second) == 6
+    prefill.prefill([first])  # its 6 blocks stay leased; the system prompt's 5 are cached
+    assert prefill.free_blocks_for(second) == 1
+    prefill.prefill([second])
+    assert pool.allocator.num_used == 7
+    prefill.free(first)
+    prefill.free(second)
+    # Cached but nobody's: taking them costs free blocks again.
+    assert prefill.free_blocks_for(Request("c", [*SYSTEM, 303], GREEDY)) == 6

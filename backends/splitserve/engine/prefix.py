@@ -44,6 +44,12 @@ class PrefixCache:
         taken = self._acquire(req, (req.num_tokens - 1) // self.block_size)
         req.num_computed = taken * self.block_size
 
+    def held_prefix(self, req: Request) -> int:
+        """Blocks that ``attach`` would give ``req`` (no block yet) and that others hold now:
+        they cost the pool no free block."""
+        blocks = (req.num_tokens - 1) // self.block_size
+        return self.allocator.held_prefix(self._hashes(req, blocks)[:blocks])
+
     def attach_arrived(self, req: Request) -> int:
         """Give a handed-over ``req`` (its prompt computed elsewhere), which holds no block,
         the cached blocks of its longest cached run of full prompt blocks; their count."""

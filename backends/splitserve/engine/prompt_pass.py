@@ -111,6 +111,12 @@ class PrefillEngine:
     def blocks_for(self, req: Request) -> int:
         return -(-len(req.prompt_ids) // self.block_size)
 
+    def free_blocks_for(self, req: Request) -> int:
+        """Of the pool's free blocks, how many ``req``'s prompt takes: all its blocks but the
+        cached ones that other requests hold (and so share with it)."""
+        held = self.prefix.held_prefix(req) if self.prefix is not None else 0
+        return self.blocks_for(req) - held
+
     def free(self, req: Request) -> None:
         """Give back ``req``'s blocks (cached ones stay cached) and what the pass computed."""
         if req.block_ids:

@@ -138,6 +138,12 @@ class BlockAllocator:
             n += 1
         return n
 
+    def held_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many blocks of the longest cached run of ``hashes`` from the first are in use:
+        acquiring those takes nothing from ``num_free``."""
+        ids = [self._block_of[h] for h in hashes[: self.cached_prefix(hashes)]]
+        return sum(1 for i in ids if i in self._refs)
+
     def acquire(self, hashes: Sequence[bytes]) -> list[int]:
         """One more reference to the cached block of each hash of the longest cached run from
         the first: its ids, in order."""

@@ -118,7 +118,7 @@ class PrefillModel:
                 self.stats.error("invalid")
                 responses[i] = error_response(str(exc))
                 continue
-            need = self.engine.blocks_for(req)
+            need = self.engine.free_blocks_for(req)
             if need > free:
                 self.stats.error("unavailable")
                 responses[i] = error_response(
@@ -184,29 +184,35 @@ class PrefillModel:
         as it is written; the first tokens go into ``responses`` (sent FINAL by the caller).
         Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass."""
         reqs = [r for _, r in batch]
-        self.engine.allocate(reqs)
-        # The pass keeps its own reference to the streamed blocks: a reader may release the
-        # lease (and so its reference) before the pass has written them all.
-        held = [list(r.block_ids) for r in reqs if len(r.prompt_ids) >= self.stream_min_tokens]
-        for ids in held:  # one reference per request: requests may share cached blocks
-            self.engine.allocator.share(ids)
-        handles = {
-            k: self.transport.export(r.request_id, r.block_ids, len(r.prompt_ids), streamed=True)
-            for k, r in enumerate(reqs)
-            if len(r.prompt_ids) >= self.stream_min_tokens
-        }
-        for k, handle in handles.items():
-            send(senders[k], handle_response(handle))
-        blocks = [b for k in handles for b in reqs[k].block_ids]
-        announcer = LayerAnnouncer([senders[k] for k in handles], self.pool.device)
-
-        def written(layer: int) -> None:
-            self.transport.publish_layers(blocks, range(layer, layer + 1))
-            announcer.written(layer + 1)
-
-        hook = written if handles else None
+        held: list[list[int]] = []
+        handles: dict[int, bytes] = {}
+        announcer: LayerAnnouncer | None = None
         try:
-            first = self._timed(lambda: self.engine.run(reqs, hook))
+            # OutOfBlocks, nothing allocated, if cached blocks the admission counted as shared
+            # were released (and turned free) since.
+            self.engine.allocate(reqs)
+            for k, r in enumerate(reqs):
+                if len(r.prompt_ids) < self.stream_min_tokens:
+                    continue
+                # The pass keeps its own reference to the streamed blocks (one per request:
+                # requests may share cached blocks): a reader may release the lease, and so
+                # its reference, before the pass has written them all.
+                held.append(list(r.block_ids))
+                self.engine.allocator.share(held[-1])
+                handles[k] = self.transport.export(
+                    r.request_id, r.block_ids, len(r.prompt_ids), streamed=True
+                )
+            for k, handle in handles.items():
+                send(senders[k], handle_response(handle))
+            blocks = [b for k in handles for b in reqs[k].block_ids]
+            announcer = LayerAnnouncer([senders[k] for k in handles], self.pool.device)
+            announce = announcer.written
+
+            def hook(layer: int) -> None:
+                self.transport.publish_layers(blocks, range(layer, layer + 1))
+                announce(layer + 1)
+
+            first = self._timed(lambda: self.engine.run(reqs, hook if handles else None))
         except Exception as exc:
             self._failed(batch, responses, exc)
             for handle in handles.values():  # the leases own those blocks: releasing frees them
@@ -216,7 +222,8 @@ class PrefillModel:
                     self.engine.free(req)
             return
         finally:
-            announcer.close()
+            if announcer is not None:
+                announcer.close()
             for ids in held:
                 self.engine.allocator.free(ids)
         layers = self.pool.layout.num_layers
