@@ -17,24 +17,16 @@ from typing import Any
 
 import torch
 
+from splitserve_tools.planner.cpu_id import cpu_identity, cpu_label
 from splitserve_tools.planner.fit import HandoffFit
 from splitserve_tools.planner.measure import Points, measure_handoff, measure_unit, model_shape
 from splitserve_tools.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def hardware(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "cpu": cpu_name(),
+        "cpu": cpu_label(identity := cpu_identity()),
+        "cpu_id": identity,
         "logical_cpus": os.cpu_count(),
         "affinity": sorted(os.sched_getaffinity(0)),
         "machine": platform.machine(),
