@@ -30,8 +30,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float:
-        """Mean gap between tokens after the first (DistServe's TPOT)."""
-        n = len(self.token_times)
+        """Mean gap between tokens after the first (DistServe's TPOT): from the first response
+        to the last over the tokens after the first (a response may carry several tokens; the
+        final one says how many there were)."""
+        n = max(len(self.token_times), self.output_tokens)
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
 
     @property
@@ -46,7 +48,8 @@ async def _one(payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 async def stream_generate(
     client: grpcaio.InferenceServerClient, args: GenerateArgs
 ) -> RequestRecord:
-    """Send one streaming request; every response is one token, the last carries FINAL."""
+    """Send one streaming request; every response carries one token or more, the last FINAL
+    (with ``num_output_tokens``)."""
     record = RequestRecord(start=time.perf_counter())
     payload = {
         "model_name": args.model,

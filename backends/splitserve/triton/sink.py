@@ -2,6 +2,9 @@
 
 Building and sending a response costs the stub CPU time; doing it on a thread of its own lets
 the sends of step n overlap the compute of step n+1 (torch releases the GIL in its kernels).
+A streamed request has at most one send queued: text that arrives while it waits joins it, so
+a stream the sender has fallen behind on gets one response with several tokens, not one
+response per token (the final one carries ``num_output_tokens``, which clients count by).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,12 +32,13 @@ ERROR_CODES = {"invalid": "INVALID_ARG", "internal": "INTERNAL", "unavailable": 
 
 class SenderThread:
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
         self._thread.start()
 
-    def put(self, sender: Any, response: Any, flags: int) -> None:
-        self._queue.put((sender, response, flags))
+    def put(self, send: Callable[[], None]) -> None:
+        """Run ``send`` on the sender thread, after everything put before it."""
+        self._queue.put(send)
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -44,18 +49,14 @@ class SenderThread:
             pass
 
     def _send_next(self) -> bool:
-        """Send one queued response; False on the stop marker. Locals die on return, so an
-        idle thread holds no response sender (Triton waits for every sender of a decoupled
-        model to be collected before it unloads the model)."""
-        item = self._queue.get()
-        if item is None:
+        """Run one queued send; False on the stop marker. Locals die on return, so an idle
+        thread holds no response sender (Triton waits for every sender of a decoupled model to
+        be collected before it unloads the model)."""
+        send = self._queue.get()
+        if send is None:
             return False
-        sender, response, flags = item
         try:
-            if response is None:
-                sender.send(flags=flags)
-            else:
-                sender.send(response, flags=flags)
+            send()
         except Exception:
             log.exception("sending a response failed")
         return True
@@ -81,15 +82,27 @@ class TritonSink:
         self._text = gen.prompt if gen.prepend_prompt else ""
         self._first_at: float | None = None
         self._ended = False
+        self._lock = threading.Lock()
+        self._pending: RequestOutput | None = None
+        """The newest output of a queued streamed send, ``_pending_text`` all text since the
+        last one sent; both None/"" when no send is queued."""
+        self._pending_text = ""
 
     def _end(self, error_kind: str | None) -> None:
         if not self._ended:
             self._ended = True
             self.stats.end(error_kind)
 
+    def _put(self, response: Any, flags: int) -> None:
+        sender = self.sender
+        if response is None:
+            self.thread.put(lambda: sender.send(flags=flags))
+        else:
+            self.thread.put(lambda: sender.send(response, flags=flags))
+
     def cancel(self) -> None:
         """End the request the client gave up on: an empty FINAL response."""
-        self.thread.put(self.sender, None, FINAL)
+        self._put(None, FINAL)
         self._end("cancelled")
 
     def send(self, out: RequestOutput) -> None:
@@ -106,11 +119,23 @@ class TritonSink:
         if not self.gen.stream:
             self._text += out.new_text
             if out.finished:
-                self.thread.put(self.sender, self._response(out, self._text), FINAL)
+                self._put(self._response(out, self._text), FINAL)
             return
-        self.thread.put(
-            self.sender, self._response(out, out.new_text), FINAL if out.finished else 0
-        )
+        with self._lock:
+            queued = self._pending is not None
+            self._pending = out
+            self._pending_text += out.new_text
+        if not queued:
+            self.thread.put(self._send_pending)
+
+    def _send_pending(self) -> None:
+        """On the sender thread: one response with the text of every output since the last."""
+        with self._lock:
+            out, text = self._pending, self._pending_text
+            self._pending, self._pending_text = None, ""
+        assert out is not None
+        response = self._response(out, text)
+        self.sender.send(response, flags=FINAL if out.finished else 0)
 
     def _response(self, out: RequestOutput, text: str) -> Any:
         tensors = [bytes_tensor("text_output", [text])]
@@ -130,11 +155,7 @@ class TritonSink:
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def fail(self, message: str, kind: str) -> None:
-        self.thread.put(
-            self.sender,
-            error_response(message, getattr(pb_utils.TritonError, ERROR_CODES[kind])),
-            FINAL,
-        )
+        self._put(error_response(message, getattr(pb_utils.TritonError, ERROR_CODES[kind])), FINAL)
         self._end(kind)
 
     def cancelled(self) -> bool:
