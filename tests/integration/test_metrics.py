@@ -100,6 +100,8 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
         assert grew("splitserve_tpot_seconds_count", model) >= N
         assert grew("splitserve_tpot_seconds_sum", model) > 0
         assert grew("splitserve_engine_sampled_tokens_total", model) >= 3 * N
+        assert grew("splitserve_responses_sent_total", model) >= N
+        assert grew("splitserve_sender_cpu_seconds_total", model) > 0
         key = ("splitserve_errors_total", model)
         assert invalid_after[key] - invalid_before[key] == 1
     assert grew("splitserve_kv_handoffs_total", "llm") >= N

@@ -70,6 +70,9 @@ COUNTERS = {
     "kv_handoff_blocks_pulled_total": "Blocks of handed-over prompts pulled from prefill",
     "kv_handoff_blocks_skipped_total": "Blocks of handed-over prompts not pulled: this "
     "instance had them in its prefix cache",
+    "responses_sent_total": "Streamed responses sent; fewer than the tokens sampled where "
+    "the sender thread fell behind a stream and sent its waiting tokens in one response",
+    "sender_cpu_seconds_total": "CPU seconds of the thread that builds and sends responses",
     "engine_borrowed_steps_total": "Decode steps run with extra threads on cores lent by an "
     "idle prefill instance (core_lock)",
     "engine_borrow_withheld_steps_total": "Decode steps run on decode's own cores although "

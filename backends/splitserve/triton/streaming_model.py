@@ -117,6 +117,8 @@ class GenerateModelBase:
             "kv_handoff_failures": scheduler.num_handoff_failures,
             **record_transport(self.stats, self.transport_counts()),
         }
+        self.stats.set_total("responses_sent_total", self.sender.sent)
+        self.stats.set_total("sender_cpu_seconds_total", self.sender.cpu_s)
         if self.borrower is not None:
             guard = self.borrower.guard
             self.stats.set_total("engine_borrowed_steps_total", self.borrower.borrowed_steps)
