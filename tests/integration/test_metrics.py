@@ -83,10 +83,13 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
         now = totals(splitserve_server)
         idle = all(now[(name, m)] == 0 for name in IDLE for m in (*MODELS, "prefill"))
         counts = ("splitserve_ttft_seconds_count", "splitserve_tpot_seconds_count")
-        # Each instance publishes on its own schedule, and TPOT is observed when a request ends,
-        # after its TTFT: wait for both counts of every model.
-        return idle and all(
-            now[(count, m)] >= before[(count, m)] + N for count in counts for m in MODELS
+        # Each instance publishes on its own schedule (prefill's too), and TPOT is observed when
+        # a request ends, after its TTFT: wait for both counts of every model, and the leases.
+        leases = ("splitserve_leases_granted_total", "splitserve_leases_released_total")
+        return (
+            idle
+            and all(now[(c, m)] >= before[(c, m)] + N for c in counts for m in MODELS)
+            and all(now[(c, "prefill")] >= before[(c, "prefill")] + N for c in leases)
         )
 
     assert wait_for(settled, 5.0), totals(splitserve_server)

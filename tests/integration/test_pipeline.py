@@ -4,6 +4,7 @@ the offline engine's and transformers', over every protocol, alone and 32 stream
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -106,7 +107,9 @@ def test_greedy_text_equals_offline_engine_and_transformers(
         expected_reason = "length" if len(ref.token_ids) == MAX_TOKENS else "stop"
         assert got.finish_reason == expected_reason
         if protocol == "grpc-stream":
-            assert got.finals == [False] * (len(ref.token_ids) - 1) + [True]
+            # A response per token, or fewer where the sender fell behind and joined tokens.
+            assert got.finals[-1] and not any(got.finals[:-1])
+            assert 1 <= len(got.finals) <= len(ref.token_ids)
         elif protocol == "grpc":
             assert got.finals == [True]
 
@@ -164,4 +167,6 @@ def test_32_concurrent_streams_each_equal_their_solo_output(
             stream.close()
     for (_, params), alone, concurrent in zip(requests, solo, together, strict=True):
         assert alone.num_output_tokens == params["max_tokens"]
-        assert concurrent == alone
+        # The same output; responses may differ in how many tokens each carries.
+        assert replace(concurrent, finals=[]) == replace(alone, finals=[])
+        assert concurrent.finals[-1] and not any(concurrent.finals[:-1])

@@ -24,6 +24,12 @@ def test_record_timings() -> None:
     assert r.e2e == pytest.approx(0.7)
 
 
+def test_tpot_counts_tokens_not_responses() -> None:
+    """Two responses, the second carrying 9 tokens: 10 tokens over 0.45 s after the first."""
+    r = RequestRecord(start=0.0, token_times=[0.1, 0.55], end=0.55, output_tokens=10)
+    assert r.tpot == pytest.approx(0.05)
+
+
 def test_a_record_meets_both_targets_or_misses() -> None:
     slo = SLO(ttft_s=1.0, tpot_s=0.05)
     met = [record(0.9, 0.04, 5), record(1.0, 0.05, 5), record(0.9, 9.0, 1)]
