@@ -8,7 +8,8 @@
 # servers stopped, the engine is profiled on the same cores and `splitserve plan ceiling` prints
 # each goodput as a fraction of the engine's and the roofline's ceilings (OUT_DIR/profile.json,
 # ceiling.json, ceiling.png; CEILING=0 skips it; CORES_TOTAL, default 2, is the machine's).
-# Both prefix caches are on (each server's default); PREFIX_CACHE=0 turns both off.
+# Both prefix caches are on (each server's default); PREFIX_CACHE=0 turns both off. OUT_DIR/metrics.txt
+# keeps Splitserve's prefix-cache and handoff counters over the run.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CKPT="$1" WORKLOAD="$2" OUT="$3"; shift 3
@@ -41,6 +42,9 @@ until curl -sf http://127.0.0.1:18500/v2/health/ready >/dev/null; do sleep 1; do
     --target llm --target llm_colocated --target "openai:http://127.0.0.1:$VLLM_PORT/v1@ckpt" \
     --workload "$WORKLOAD" --tokenizer "$CKPT" --max-model-len "$MAX_LEN" --arrival poisson \
     --goodput --json "$OUT/goodput.json" --plot-dir "$OUT" "$@"
+# The prefix caches' and handoffs' counters over the whole run (hit rate = hits / queries).
+curl -sf http://127.0.0.1:18502/metrics | grep -E "^splitserve_(prefix_cache|kv_handoff_blocks)" \
+    >"$OUT/metrics.txt" || true
 
 cleanup
 trap - EXIT
