@@ -33,8 +33,10 @@ class RequestRecord:
         """Mean gap between tokens after the first (DistServe's TPOT): from the first response
         to the last over the tokens after the first (a response may carry several tokens; the
         final one says how many there were)."""
+        if len(self.token_times) < 2:
+            return float("nan")  # one response: no gap to measure
         n = max(len(self.token_times), self.output_tokens)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1)
 
     @property
     def e2e(self) -> float:

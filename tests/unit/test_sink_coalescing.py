@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,18 +21,21 @@ FINAL_FLAG = 1
 
 
 @pytest.fixture()
-def sink_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+def sink_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     pb = types.ModuleType("triton_python_backend_utils")
     pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL_FLAG  # type: ignore[attr-defined]
     pb.Tensor = lambda name, value: (name, value)  # type: ignore[attr-defined]
     pb.InferenceResponse = lambda output_tensors=None, error=None: (output_tensors, error)  # type: ignore[attr-defined]
     pb.TritonError = type("TritonError", (), {"INTERNAL": 13, "INVALID_ARG": 3})  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
-    for name in ("splitserve.triton.sink", "splitserve.triton.tensors"):
+    built = ("splitserve.triton.sink", "splitserve.triton.tensors")
+    for name in built:
         monkeypatch.delitem(sys.modules, name, raising=False)
     import splitserve.triton.sink as sink
 
-    return sink
+    yield sink
+    for name in built:  # built on the stand-in: no later test may import them from here
+        sys.modules.pop(name, None)
 
 
 class Sender:
@@ -102,10 +106,13 @@ def test_cancel_after_queued_tokens_ends_with_an_empty_final(sink_module: Any) -
     thread, sender = sink_module.SenderThread(), Sender()
     sink = sink_module.TritonSink(sender, gen(True), thread, InstanceStats(), 0.0)
     sink.send(output(0, False))
+    assert sender.entered.wait(10)
     sink.send(output(1, False))
+    sink.send(output(2, False))
     sink.cancel()
     sender.go.set()
     assert sender.done.wait(10)
     thread.stop()
-    assert [flags for _, flags in sender.sent] == [0, FINAL_FLAG]
+    assert texts(sender.sent[:-1]) == ["t0 ", "t1 t2 "]
+    assert [flags for _, flags in sender.sent] == [0, 0, FINAL_FLAG]
     assert sender.sent[-1][0] is None

@@ -164,8 +164,32 @@ class PrefillModel:
         except Exception as exc:
             self._failed(batch, responses, exc)
             return
-        for (i, req), token in zip(batch, first, strict=True):
-            responses[i] = self._whole_response(req, token)
+        self._answer(batch, first, set(), responses)
+
+    def _answer(
+        self,
+        batch: list[tuple[int, Request]],
+        first: list[int],
+        streamed: set[int],
+        responses: list[Any],
+    ) -> None:
+        """Each request's first token: with its handle where its KV is answered whole (leased
+        now), alone where it streamed (leased before the pass). Once a lease cannot be made,
+        the batch's later whole answers fail too and free their blocks."""
+        layers = self.pool.layout.num_layers
+        failure: Exception | None = None
+        for k, ((i, req), token) in enumerate(zip(batch, first, strict=True)):
+            if k in streamed:
+                responses[i] = token_response(token, layers)
+                continue
+            if failure is None:
+                try:
+                    responses[i] = self._whole_response(req, token)
+                    continue
+                except Exception as exc:
+                    failure = exc
+            self._failed([(i, req)], responses, failure)
+            self.engine.free(req)
 
     def _whole_response(self, req: Request, token: int) -> Any:
         """The handle of a prompt's finished KV and its first token, in one response."""
@@ -188,9 +212,7 @@ class PrefillModel:
         handles: dict[int, bytes] = {}
         announcer: LayerAnnouncer | None = None
         try:
-            # OutOfBlocks, nothing allocated, if cached blocks the admission counted as shared
-            # were released (and turned free) since.
-            self.engine.allocate(reqs)
+            self.engine.allocate(reqs)  # inside: whatever fails below frees what it took
             for k, r in enumerate(reqs):
                 if len(r.prompt_ids) < self.stream_min_tokens:
                     continue
@@ -226,12 +248,7 @@ class PrefillModel:
                 announcer.close()
             for ids in held:
                 self.engine.allocator.free(ids)
-        layers = self.pool.layout.num_layers
-        for k, ((i, req), token) in enumerate(zip(batch, first, strict=True)):
-            streamed = k in handles
-            responses[i] = (
-                token_response(token, layers) if streamed else self._whole_response(req, token)
-            )
+        self._answer(batch, first, set(handles), responses)
 
     def finalize(self) -> None:
         self.refresher.stop()

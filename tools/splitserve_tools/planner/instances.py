@@ -29,14 +29,18 @@ from splitserve_tools.planner.step_model import StepModel
 
 class HandedOverKV:
     """A prompt's KV on its prefill instance (the scheduler's ``KVSource``): loading it costs
-    the loading step a handoff, and either way the prefill instance gets its blocks back."""
+    the loading step a handoff of the blocks pulled (those decode had cached are skipped), and
+    either way the prefill instance gets its blocks back."""
 
-    def __init__(self, on_load: Callable[[int], None], release: Release) -> None:
+    def __init__(
+        self, on_load: Callable[[tuple[int, int]], None], prompt_blocks: int, release: Release
+    ) -> None:
         self.on_load = on_load
+        self.prompt_blocks = prompt_blocks
         self.release = release
 
     def load(self, dst_block_ids: list[int], skip: int = 0) -> None:
-        self.on_load(len(dst_block_ids))
+        self.on_load((len(dst_block_ids), self.prompt_blocks))
         self.release()
 
     def discard(self) -> None:
@@ -75,8 +79,9 @@ class EngineInstance:
         """Every request in this engine, and the run's record of it."""
         self.handovers: list[tuple[SimRequest, Release]] = []
         """Prefilled elsewhere while a step ran: their first tokens go out when it ends."""
-        self.loaded: list[int] = []
-        """Blocks of each handed-over KV the step being scheduled loads."""
+        self.loaded: list[tuple[int, int]] = []
+        """(blocks pulled, blocks of the prompt) of each handed-over KV the step being
+        scheduled loads."""
         self.busy = False
 
     def add_prompt(self, sim: SimRequest) -> None:
@@ -106,7 +111,8 @@ class EngineInstance:
         if self._sample(req):
             release()
         else:
-            self.scheduler.add_prefilled(req, HandedOverKV(self.loaded.append, release))
+            blocks = -(-sim.input_len // self.model.block_size)
+            self.scheduler.add_prefilled(req, HandedOverKV(self.loaded.append, blocks, release))
 
     def _sample(self, req: Request) -> bool:
         """One token of ``req`` goes out now; True if it was the last (``req`` is done)."""

@@ -53,10 +53,12 @@ class StepModel:
         seconds = self.prefill(sum(new), pairs)
         return self._served(seconds, any(map(self.handoff.streams, input_lens)))
 
-    def loaded_s(self, blocks: int) -> float:
-        """What loading a handed-over prompt of ``blocks`` blocks adds after its pass (its
-        length taken as whole blocks)."""
-        tokens = blocks * self.block_size
+    def loaded_s(self, blocks: int, prompt_blocks: int | None = None) -> float:
+        """What loading ``blocks`` blocks of a handed-over prompt adds after its pass. The
+        prompt, ``prompt_blocks`` long (default ``blocks``; more where decode had some of its
+        blocks cached), decides whether its KV streamed and how long the pass it overlapped
+        ran; lengths are taken as whole blocks."""
+        tokens = (blocks if prompt_blocks is None else prompt_blocks) * self.block_size
         nbytes = blocks * self.block_bytes
         if not self.handoff.streams(tokens):
             return self.handoff(nbytes)
@@ -64,11 +66,12 @@ class StepModel:
         return self.handoff.added_after_pass(nbytes, pass_s)
 
     def engine_step(
-        self, out: SchedulerOutput, loaded_blocks: Sequence[int]
+        self, out: SchedulerOutput, loaded: Sequence[tuple[int, int]]
     ) -> tuple[float, float]:
-        """(prompt part, decode part) of a step that runs ``out`` after loading handed-over KV
-        of ``loaded_blocks`` blocks per request; call before the step updates the requests."""
-        decode_s = sum(map(self.loaded_s, loaded_blocks))
+        """(prompt part, decode part) of a step that runs ``out`` after loading handed-over KV:
+        (blocks pulled, blocks of the prompt) per request; call before the step updates the
+        requests."""
+        decode_s = sum(self.loaded_s(pulled, prompt) for pulled, prompt in loaded)
         if out.decodes:
             context = sum(map(attrgetter("num_tokens"), out.decodes))
             decode_s += self.decode(len(out.decodes), context)
