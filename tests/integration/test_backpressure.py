@@ -23,7 +23,10 @@ MAX_TOKENS = 240
 ENGINE = {"model": "tiny", "max_model_len": 256, "num_kv_blocks": 32}
 BOUNDED = RoleSpec(settings={"max_queue": MAX_QUEUE})
 LAYOUT = DeploymentSpec(layout="both", settings=ENGINE, decode=BOUNDED, colocated=BOUNDED)
-BODY = {"text_input": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+BODY = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+"""With a prompt of each request's own: identical greedy requests would share their blocks
+through the prefix cache (a preempted one recomputes onto the others' cached blocks), and the
+pools would never run short."""
 DEADLINE_S = 120.0
 
 
@@ -41,7 +44,12 @@ def burst(server: TritonServer, model: str, n: int) -> tuple[list[tuple[int, str
     watcher.start()
     try:
         with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(lambda _: post(server, model, "generate", BODY), range(n)))
+            results = list(
+                pool.map(
+                    lambda i: post(server, model, "generate", {**BODY, "text_input": f"hi {i}"}),
+                    range(n),
+                )
+            )
     finally:
         done.set()
         watcher.join()

@@ -5,6 +5,7 @@ timeout error and FINAL, whether it waits for prefill or decodes, and frees its 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,10 @@ pytestmark = pytest.mark.triton
 
 ENGINE = {"model": "tiny", "max_model_len": 256, "num_kv_blocks": 32}
 """Two prompts of 240 tokens (15 blocks of 16 each) fill prefill's pool."""
-FILL_IDS = np.full((1, 240), 65, np.int64)
+FILL_LEN = 240
+FILL_TOKENS = itertools.count(65)
+"""Each fill prompt is one token repeated, a different one each (over the module's tests too):
+prompts that shared blocks would share them in the prefix cache and take one new block each."""
 FILL_BLOCKS = 15
 WAITING_PROMPT = "a" * 239
 """Needs 15 blocks of prefill's pool, which never has them once filled."""
@@ -82,7 +86,7 @@ def fill_prefill_pool(server: TritonServer, key: bytes) -> float:
             rid = f"fill-{time.monotonic_ns()}-{n}"
             inputs = infer_inputs(
                 {
-                    "input_ids": (FILL_IDS, "INT64"),
+                    "input_ids": (np.full((1, FILL_LEN), next(FILL_TOKENS), np.int64), "INT64"),
                     "sampling_parameters": (
                         np.array([[b'{"max_tokens": 1}']], np.object_),
                         "BYTES",
