@@ -8,7 +8,8 @@ logits give the next token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 from splitserve.engine.request import Request
 from splitserve.kv.allocator import BlockAllocator
@@ -25,6 +26,15 @@ class PrefixStats:
     """Blocks of handed-over prompts pulled from their owner."""
     blocks_skipped: int = 0
     """Blocks of handed-over prompts not pulled: this pool had them cached."""
+
+    @classmethod
+    def total(cls, parts: Iterable[PrefixStats]) -> PrefixStats:
+        """The counts of several caches summed."""
+        out = cls()
+        for part in parts:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
+        return out
 
 
 class PrefixCache:

@@ -15,10 +15,14 @@ from splitserve_tools.bench.report import TargetResult, build_report, write_json
 from splitserve_tools.bench.requests import Request, make_requests, make_session_requests
 from splitserve_tools.bench.runner import Schedule
 from splitserve_tools.bench.target import make_target
-from splitserve_tools.workload.arrivals import arrival_times
 from splitserve_tools.workload.lengths import workload_lengths
 from splitserve_tools.workload.search import SearchSettings
-from splitserve_tools.workload.sessions import SESSION_WORKLOADS, probe_turns, session_turns
+from splitserve_tools.workload.sessions import (
+    SESSION_WORKLOADS,
+    first_turn_arrivals,
+    probe_turns,
+    session_turns,
+)
 from splitserve_tools.workload.slo import SLO
 
 
@@ -84,10 +88,8 @@ def schedule(opts: BenchOptions, requests: list[Request], rate: float) -> Schedu
     """Arrival offsets at ``rate`` requests/s: sessions arrive as the arrival process says (at
     the rate that sends ``rate`` requests/s in all); a later turn is listed at its session's
     arrival and sent once the turn before it ended."""
-    first = [i for i, r in enumerate(requests) if r.follows is None]
-    session_rate = rate * len(first) / len(requests)
-    times = arrival_times(opts.arrival, session_rate, len(first), opts.seed, opts.cv)
-    at = dict(zip(first, times.tolist(), strict=True))
+    follows = [r.follows for r in requests]
+    at = first_turn_arrivals(follows, rate, opts.arrival, opts.seed, opts.cv)
     offsets: list[float] = []
     for i, r in enumerate(requests):
         offsets.append(at[i] if r.follows is None else offsets[r.follows])

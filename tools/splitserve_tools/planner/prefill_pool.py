@@ -58,12 +58,7 @@ class PrefillPool:
 
     @property
     def prefix_stats(self) -> PrefixStats:
-        total = PrefixStats()
-        for c in self.caches:
-            if c is not None:
-                total.queries += c.stats.queries
-                total.hits += c.stats.hits
-        return total
+        return PrefixStats.total(c.stats for c in self.caches if c is not None)
 
     def submit(self, req: SimRequest) -> None:
         self.queue.append((self.clock.now, req))

@@ -36,6 +36,7 @@ from splitserve_tools.workload.lengths import workload_lengths
 from splitserve_tools.workload.sessions import (
     SESSION_WORKLOADS,
     Turn,
+    first_turn_arrivals,
     probe_turns,
     session_turns,
 )
@@ -119,9 +120,7 @@ def session_requests(
     are one id per segment (the system prompt shared by all sessions, every other message and
     reply its session's), so two prompts share exactly the blocks the bench's texts share,
     up to the merges of BPE across segment boundaries."""
-    firsts = [i for i, t in enumerate(turns) if t.follows is None]
-    times = arrival_times(arrival, rate * len(firsts) / len(turns), len(firsts), seed, cv)
-    start = dict(zip(firsts, times.tolist(), strict=True))
+    start = first_turn_arrivals([t.follows for t in turns], rate, arrival, seed, cv)
     ids: dict[tuple[int, int], int] = {}
     reqs = []
     for i, t in enumerate(turns):
@@ -264,11 +263,7 @@ def simulate(
         else:
             reqs[req.follows].on_finish = partial(_send_after, clock, req, delay, submit)
     clock.run()
-    total = PrefixStats()
-    for part in computing:
-        total.queries += part.prefix_stats.queries
-        total.hits += part.prefix_stats.hits
-    return reqs, total
+    return reqs, PrefixStats.total(part.prefix_stats for part in computing)
 
 
 def _send_after(

@@ -13,10 +13,12 @@ prompt. A session sends its next turn ``think_s`` after the previous one ended.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from splitserve_tools.workload.arrivals import arrival_times
 from splitserve_tools.workload.lengths import MIN_INPUT_LEN
 
 SESSION_SECONDS = 60.0
@@ -104,3 +106,14 @@ def session_turns(name: str, count: int, max_model_len: int, seed: int = 0) -> l
             history += [message, reply]
         session += 1
     return turns
+
+
+def first_turn_arrivals(
+    follows: Sequence[int | None], rate: float, arrival: str, seed: int, cv: float
+) -> dict[int, float]:
+    """When each session's first turn arrives (by its position in ``follows``, the turns'
+    ``follows`` in order): sessions arrive as the arrival process says, at the rate that sends
+    ``rate`` turns/s in all."""
+    firsts = [i for i, f in enumerate(follows) if f is None]
+    times = arrival_times(arrival, rate * len(firsts) / len(follows), len(firsts), seed, cv)
+    return dict(zip(firsts, times.tolist(), strict=True))
