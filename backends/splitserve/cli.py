@@ -88,6 +88,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         model=args.model,
         settings=_settings(args),
         lend_prefill_cores=args.lend_prefill_cores,
+        lend_decode_cores=args.lend_decode_cores,
         server_cores=args.server_cores,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -212,6 +213,12 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="decode also steps on the prefill cores while prefill is idle (CPU, one prefill "
         "and one decode instance; default: wherever the layout allows)",
+    )
+    s.add_argument(
+        "--lend-decode-cores",
+        action=argparse.BooleanOptionalAction,
+        help="prompt passes also run on the decode cores while decode's steps leave room under "
+        "its tpot_target_s (same layouts as --lend-prefill-cores; default: wherever allowed)",
     )
     s.add_argument(
         "--server-cores",

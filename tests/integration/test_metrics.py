@@ -117,6 +117,14 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
         "splitserve_engine_borrow_withheld_steps_total",
     )
     assert sum(grew(name, "llm") for name in lent) >= 1
+    # And decode offers its core to prefill's passes while it is idle or its steps leave room
+    # under tpot_target_s: a pass borrows it, or the guard keeps it on its own core.
+    borrowed = (
+        "splitserve_prefill_borrowed_passes_total",
+        "splitserve_prefill_borrow_withheld_passes_total",
+    )
+    assert sum(grew(name, "prefill") for name in borrowed) >= 1
+    assert grew("splitserve_engine_lent_seconds_total", "llm") >= 0
     for model in (*MODELS, "prefill"):
         assert grew("splitserve_engine_steps_total", model) >= 1, model
         assert grew("splitserve_engine_busy_seconds_total", model) > 0, model

@@ -223,13 +223,16 @@ def test_borrower_needs_disjoint_core_sets(locks):
 
 
 def test_spec_lends_the_prefill_cores_to_decode(tmp_path):
-    spec = default_cpu_spec("both", {"model": "tiny"}, cores=2, lend_prefill_cores=True)
-    assert spec.lends
+    spec = default_cpu_spec(
+        "both", {"model": "tiny"}, cores=2, lend_prefill_cores=True, lend_decode_cores=False
+    )
+    assert spec.lends and not spec.lends_decode
     lock = str(tmp_path / "core.lock")
     prefill = spec.serving_config("prefill", tmp_path)
     assert prefill.core_lock == lock and prefill.lent_cores == ""
     decode = spec.serving_config("llm", tmp_path)
     assert decode.core_lock == lock and parse_core_sets(decode.lent_cores) == [{0}]
+    assert not decode.lend_cores
     assert parse_core_sets(decode.cpu_cores) == [{1}]
     colocated = spec.serving_config("llm_colocated", tmp_path)
     assert colocated.core_lock == "" and colocated.lent_cores == ""
@@ -251,8 +254,8 @@ def test_spec_lends_by_default_wherever_the_layout_allows(tmp_path):
     base = default_cpu_spec("disagg", {"model": "tiny"}, cores=2)
     assert base.lend_prefill_cores is None and base.lends
     assert base.serving_config("llm", tmp_path).lent_core_set == {0}
-    off = dataclasses.replace(base, lend_prefill_cores=False)
-    assert not off.lends
+    off = dataclasses.replace(base, lend_prefill_cores=False, lend_decode_cores=False)
+    assert not off.lends and not off.lends_decode
     for model in ("prefill", "llm"):
         cfg = off.serving_config(model, tmp_path)
         assert cfg.core_lock == "" and cfg.lent_cores == ""
@@ -275,11 +278,19 @@ def test_spec_refuses_what_one_lock_cannot_share(change, message):
         dataclasses.replace(base, lend_prefill_cores=True, **change)
 
 
-def test_config_pairs_core_lock_and_lent_cores_on_decode_only():
-    with pytest.raises(ValueError, match="needs lent_cores"):
+def test_config_pairs_core_lock_with_what_each_role_lends_or_borrows():
+    with pytest.raises(ValueError, match="needs lent_cores or lend_cores"):
         ServingConfig(role="decode", core_lock="/x/lock")
-    with pytest.raises(ValueError, match="applies to the decode role"):
-        ServingConfig(role="prefill", core_lock="/x/lock", lent_cores="0")
+    with pytest.raises(ValueError, match="lent_cores applies to the prefill and decode roles"):
+        ServingConfig(role="prefill", lent_cores="0")
+    with pytest.raises(ValueError, match="core_lock applies to the prefill and decode"):
+        ServingConfig(role="colocated", core_lock="/x/lock")
+    with pytest.raises(ValueError, match="lend_cores applies to the decode role"):
+        ServingConfig(role="prefill", core_lock="/x/lock", lend_cores=True)
     with pytest.raises(ValueError, match="one core set"):
         ServingConfig(role="decode", core_lock="/x/lock", lent_cores="0;1")
+    with pytest.raises(ValueError, match="tpot_target_s must be positive"):
+        ServingConfig(role="decode", tpot_target_s=0)
     assert ServingConfig(role="prefill", core_lock="/x/lock").core_lock == "/x/lock"
+    assert ServingConfig(role="prefill", core_lock="/x/lock", lent_cores="1").lent_core_set == {1}
+    assert ServingConfig(role="decode", core_lock="/x/lock", lend_cores=True).lend_cores

@@ -75,7 +75,9 @@ def test_unknown_param_key_exits_2_naming_the_key_and_the_accepted_keys(
 
 
 @pytest.mark.usefixtures("nothing_starts")
-@pytest.mark.parametrize("key", ["role", "engine", "cpu_cores", "core_lock", "lent_cores"])
+@pytest.mark.parametrize(
+    "key", ["role", "engine", "cpu_cores", "core_lock", "lent_cores", "lend_cores"]
+)
 def test_placed_fields_are_not_settings(capsys: pytest.CaptureFixture[str], key: str) -> None:
     """The spec derives these from placement and lending; ``--param`` cannot set them."""
     err = serve_error(capsys, "--param", f"{key}=0")
@@ -107,7 +109,9 @@ def test_placed_fields_are_not_settings(capsys: pytest.CaptureFixture[str], key:
         (["--prefill-instances", "0"], "instances must be positive"),
         (["--device", "gpu", "--prefill-gpus", "x"], "GPU ids"),
         (["--device", "gpu", "--decode-cores", "0"], "core sets apply to --device cpu"),
-        (["--layout", "colocated", "--lend-prefill-cores"], "lending prefill cores"),
+        (["--layout", "colocated", "--lend-prefill-cores"], "lending cores needs"),
+        (["--layout", "colocated", "--lend-decode-cores"], "lending cores needs"),
+        (["--param", "tpot_target_s=-1"], "tpot_target_s must be positive"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(

@@ -58,6 +58,7 @@ class ServeOptions:
     host: str = "0.0.0.0"
     thread_pool_size: int = 128
     lend_prefill_cores: bool | None = None
+    lend_decode_cores: bool | None = None
     server_cores: str | None = None
     plan: Path | None = None
     """A ``plan.json`` from ``splitserve plan search``: its deployment sets the layout,
@@ -140,6 +141,7 @@ def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
 def _serving_fields(opts: ServeOptions) -> dict[str, Any]:
     return {
         "lend_prefill_cores": opts.lend_prefill_cores,
+        "lend_decode_cores": opts.lend_decode_cores,
         "server_cores": opts.server_cores,
         "host": opts.host,
         "http_port": opts.http_port,

@@ -37,7 +37,7 @@ split across servers, KV over the network)."""
 SPLIT_TRANSPORT = "nixl"
 REMOTE_KEYS = ("prefill_urls", "prefill_dns")
 GPU_TRANSPORT = "cuda_ipc"
-PLACED = frozenset({"role", "engine", "cpu_cores", "core_lock", "lent_cores"})
+PLACED = frozenset({"role", "engine", "cpu_cores", "core_lock", "lent_cores", "lend_cores"})
 """ServingConfig fields the spec derives from placement and lending, never set directly."""
 LOCK_NAME = "core.lock"
 
@@ -108,6 +108,10 @@ class DeploymentSpec:
     """Decode also steps on the prefill cores while prefill is idle (``serving.core_lend``):
     True requires it (CPU, one prefill and one decode instance on disjoint cores), False turns
     it off, None lends wherever the layout allows."""
+    lend_decode_cores: bool | None = None
+    """Prefill's passes also run on the decode cores while decode's steps leave room under its
+    ``tpot_target_s`` (``serving.decode_lend``); True, False and None as for
+    ``lend_prefill_cores``."""
     server_cores: str | None = None
     """Cores for tritonserver's own threads; ``all`` leaves them anywhere; None puts them on the
     prefill cores of a CPU layout with prefill."""
@@ -148,7 +152,9 @@ class DeploymentSpec:
                 raise ValueError(
                     f"the {role} role lists GPUs {list(spec.gpus)} but device is 'cpu'"
                 )
-        if self.lend_prefill_cores and (refusal := lending_refusal(self)) is not None:
+        if (self.lend_prefill_cores or self.lend_decode_cores) and (
+            refusal := lending_refusal(self)
+        ) is not None:
             raise ValueError(refusal)
         for model in self.models:
             self.serving_config(model, Path("/"))
@@ -191,9 +197,17 @@ class DeploymentSpec:
 
     @property
     def lends(self) -> bool:
+        """Prefill lends its cores to decode."""
         if self.lend_prefill_cores is None:
             return lending_refusal(self) is None
         return self.lend_prefill_cores
+
+    @property
+    def lends_decode(self) -> bool:
+        """Decode lends its cores to prefill."""
+        if self.lend_decode_cores is None:
+            return lending_refusal(self) is None
+        return self.lend_decode_cores
 
     def serving_config(self, model: str, repo_dir: Path) -> ServingConfig:
         """What the stubs of ``model`` run with when the repository is rendered in ``repo_dir``
@@ -226,10 +240,14 @@ class DeploymentSpec:
         placed: dict[str, Any] = {}
         if self.device == "cpu" and spec.cpu_cores:
             placed["cpu_cores"] = spec.cpu_cores
-        if self.lends and role in ("prefill", "decode"):
+        if (self.lends or self.lends_decode) and role in ("prefill", "decode"):
             placed["core_lock"] = str(repo_dir / LOCK_NAME)
-            if role == "decode":
+            if role == "decode" and self.lends:
                 placed["lent_cores"] = self.prefill.cpu_cores
+            if role == "decode" and self.lends_decode:
+                placed["lend_cores"] = True
+            if role == "prefill" and self.lends_decode:
+                placed["lent_cores"] = self.decode.cpu_cores
         return ServingConfig(role=role, engine=engine, **serving, **placed)
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,16 +260,17 @@ class DeploymentSpec:
 
 
 def lending_refusal(spec: DeploymentSpec) -> str | None:
-    """Why the prefill instance of ``spec`` cannot lend its cores to decode, or None."""
+    """Why the prefill and decode instances of ``spec`` cannot lend each other their cores,
+    or None."""
     if spec.device != "cpu" or spec.server_role != "both" or "prefill" not in spec.models:
-        return "lending prefill cores needs a CPU layout with prefill and decode on one server"
+        return "lending cores needs a CPU layout with prefill and decode on one server"
     if spec.prefill.instances != 1 or spec.decode.instances != 1:
-        return "lending prefill cores needs one prefill and one decode instance"
+        return "lending cores needs one prefill and one decode instance"
     prefill = parse_core_sets(spec.prefill.cpu_cores)
     own = parse_core_sets(spec.decode.cpu_cores)
     if len(prefill) != 1 or len(own) != 1 or prefill[0] & own[0]:
         return (
-            "lending prefill cores needs one core set per role, with no core in both "
+            "lending cores needs one core set per role, with no core in both "
             f"(prefill {spec.prefill.cpu_cores!r}, decode {spec.decode.cpu_cores!r})"
         )
     return None

@@ -35,12 +35,20 @@ class ServingConfig:
     """Core sets per instance, ``;``-separated (``"0;1"``: instance 0 on core 0, instance 1 on
     core 1); each set is a list/range like ``0,2-3``. Empty leaves placement to the OS."""
     core_lock: str = ""
-    """Path of the lock by which one prefill instance lends its cores to one decode instance
-    between prompt passes (``serving.core_lend``); both roles name the same path. Empty: no
-    lending."""
+    """Path of the locks by which one prefill and one decode instance lend each other their
+    cores (``serving.core_lend``: prefill's between its passes; ``serving.decode_lend``:
+    decode's to passes while its streams have time to spare); both roles name the same path.
+    Empty: no lending."""
     lent_cores: str = ""
-    """Decode with ``core_lock``: the prefill instance's cores (a set like ``0`` or ``0-1``),
-    on which it adds threads while prefill is idle."""
+    """With ``core_lock``, the other role's cores (a set like ``0`` or ``0-1``) on which this
+    instance adds threads when they are lent: decode's steps while prefill is idle, prefill's
+    passes while decode offers them. Empty: it borrows none."""
+    lend_cores: bool = False
+    """Decode with ``core_lock``: offers its cores to prefill's passes while the mean time
+    between its steps stays under 0.8 x ``tpot_target_s`` (and while it is idle)."""
+    tpot_target_s: float = 0.1
+    """Decode: the time per output token its streams should get; it lends its cores to prefill
+    only while its steps leave room under it (``lend_cores``)."""
     default_max_tokens: int = 16
     prefill_retry_s: float = 60.0
     """How long ``llm`` keeps retrying a prompt while the prefill pool is full."""
@@ -101,6 +109,7 @@ class ServingConfig:
             "metrics_interval_s",
             "kv_transfer_timeout_s",
             "prefill_call_timeout_s",
+            "tpot_target_s",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -133,13 +142,17 @@ class ServingConfig:
             raise ValueError("prefill_urls and prefill_dns exclude each other")
         if (self.prefill_urls or self.prefill_dns) and self.role != "decode":
             raise ValueError("prefill_urls and prefill_dns apply to the decode role")
-        borrows = self.role == "decode" and bool(self.core_lock)
-        if self.lent_cores and not borrows:
-            raise ValueError("lent_cores applies to the decode role with a core_lock")
-        if borrows and not self.lent_cores:
-            raise ValueError("core_lock on the decode role needs lent_cores")
+        shares = self.role in ("prefill", "decode") and bool(self.core_lock)
+        if self.core_lock and not shares:
+            raise ValueError("core_lock applies to the prefill and decode roles")
+        if self.lent_cores and not shares:
+            raise ValueError("lent_cores applies to the prefill and decode roles with a core_lock")
+        if self.lend_cores and not (shares and self.role == "decode"):
+            raise ValueError("lend_cores applies to the decode role with a core_lock")
+        if self.role == "decode" and shares and not (self.lent_cores or self.lend_cores):
+            raise ValueError("core_lock on the decode role needs lent_cores or lend_cores")
         if len(parse_core_sets(self.lent_cores)) > 1:
-            raise ValueError("lent_cores: one core set (the prefill instance's)")
+            raise ValueError("lent_cores: one core set (the other role's instance's)")
 
     def to_json(self) -> str:
         """This config as the one JSON parameter a stub reads (``CONFIG_PARAMETER``)."""

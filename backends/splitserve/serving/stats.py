@@ -77,6 +77,12 @@ COUNTERS = {
     "idle prefill instance (core_lock)",
     "engine_borrow_withheld_steps_total": "Decode steps run on decode's own cores although "
     "prefill's were free: where borrowing did not pay, and probes that keep timing both",
+    "prefill_borrowed_passes_total": "Prompt passes run with extra threads on cores lent by "
+    "decode while its steps left room under its tpot_target_s (core_lock)",
+    "prefill_borrow_withheld_passes_total": "Prompt passes run on prefill's own cores although "
+    "decode offered its: where borrowing did not pay, and probes that keep timing both",
+    "engine_lent_steps_total": "Decode steps that waited for a prompt pass on decode's cores",
+    "engine_lent_seconds_total": "Seconds decode's steps waited for prompt passes on its cores",
 }
 ERRORS = ("errors_total", "Requests ended with an error or cancelled, by kind")
 HISTOGRAMS = {

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,9 @@ from splitserve.engine.build import build_components
 from splitserve.engine.prompt_pass import PrefillEngine
 from splitserve.engine.request import Request
 from splitserve.serving import bls_contract
+from splitserve.serving.affinity import allowed_cores
 from splitserve.serving.core_lend import CoreLock
+from splitserve.serving.decode_lend import PassBorrower, pass_borrower_for
 from splitserve.serving.heap import HeapTrimmer
 from splitserve.serving.stats import InstanceStats, record_kv_pool, record_transport
 from splitserve.transport import get_transport
@@ -29,7 +31,7 @@ from splitserve.triton.prefill_stream import (
     token_response,
 )
 from splitserve.triton.setup import setup_instance
-from splitserve.triton.tensors import FINAL, error_response
+from splitserve.triton.tensors import FINAL, error_response, instance_index
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +96,28 @@ class PrefillModel:
         self.refresher = MetricsRefresher(self.metrics, cfg.metrics_interval_s)
         self.heap = HeapTrimmer()
         self.core_lock = CoreLock(cfg.core_lock) if cfg.core_lock else None
+        self.borrower: PassBorrower | None = None
+        if cfg.core_lock and cfg.lent_cores:
+            own = cfg.cores_for(instance_index(args)) or set()
+            self.borrower = pass_borrower_for(
+                cfg.core_lock, own, cfg.lent_core_set, allowed_cores()
+            )
 
-    def _computing(self) -> AbstractContextManager[object]:
-        """The cores to itself for one pass, if it lends them to decode between passes."""
-        return self.core_lock.lend() if self.core_lock else nullcontext()
+    def _computing(self, reqs: list[Request]) -> ExitStack:
+        """The cores to itself for one pass, if it lends them to decode between passes; and
+        decode's too, while decode offers them."""
+        stack = ExitStack()
+        if self.core_lock is not None:
+            stack.enter_context(self.core_lock.lend())
+        if self.borrower is not None:
+            stack.enter_context(self.borrower.pass_(sum(len(r.prompt_ids) for r in reqs)))
+        return stack
 
     def _gauges(self) -> dict[str, float]:
+        if self.borrower is not None:
+            withheld = self.borrower.guard.withheld_steps
+            self.stats.set_total("prefill_borrowed_passes_total", self.borrower.borrowed_passes)
+            self.stats.set_total("prefill_borrow_withheld_passes_total", withheld)
         return {
             **record_kv_pool(self.stats, self.engine.allocator, self.engine.prefix),
             **record_transport(self.stats, self.transport.stats()),
@@ -140,9 +158,9 @@ class PrefillModel:
             send(sender, response, FINAL)
         return None
 
-    def _timed(self, compute: Callable[[], list[int]]) -> list[int]:
-        """One prompt pass on this instance's cores, recorded in its stats."""
-        with self._computing():
+    def _timed(self, reqs: list[Request], compute: Callable[[], list[int]]) -> list[int]:
+        """One prompt pass of ``reqs`` on this instance's cores, recorded in its stats."""
+        with self._computing(reqs):
             start, cpu = time.perf_counter(), time.thread_time()
             first = compute()
             seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
@@ -160,7 +178,7 @@ class PrefillModel:
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
         try:
-            first = self._timed(lambda: self.engine.prefill(reqs))
+            first = self._timed(reqs, lambda: self.engine.prefill(reqs))
         except Exception as exc:
             self._failed(batch, responses, exc)
             return
@@ -234,7 +252,7 @@ class PrefillModel:
                 self.transport.publish_layers(blocks, range(layer, layer + 1))
                 announce(layer + 1)
 
-            first = self._timed(lambda: self.engine.run(reqs, hook if handles else None))
+            first = self._timed(reqs, lambda: self.engine.run(reqs, hook if handles else None))
         except Exception as exc:
             self._failed(batch, responses, exc)
             for handle in handles.values():  # the leases own those blocks: releasing frees them
@@ -256,3 +274,5 @@ class PrefillModel:
         self.transport.close()
         if self.core_lock is not None:
             self.core_lock.close()
+        if self.borrower is not None:
+            self.borrower.cores.close()

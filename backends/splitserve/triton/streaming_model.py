@@ -8,6 +8,7 @@ import os
 import time
 import uuid
 from concurrent.futures import Executor
+from contextlib import ExitStack
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -17,6 +18,7 @@ from splitserve.engine.engine import Engine
 from splitserve.kv.pool import KVPool
 from splitserve.serving.affinity import allowed_cores
 from splitserve.serving.core_lend import Borrower, borrower_for
+from splitserve.serving.decode_lend import DecodeCores, Lender, LendPolicy
 from splitserve.serving.drain import MESSAGE as DRAIN_MESSAGE
 from splitserve.serving.drain import DrainWatch
 from splitserve.serving.frontend import Prepared, prepare
@@ -50,17 +52,21 @@ class GenerateModelBase:
         self.drain_watch = DrainWatch()
         engine_cores = self.cfg.cores_for(instance_index(args)) or set()
         self.borrower: Borrower | None = None
-        if self.cfg.core_lock:
+        if self.cfg.core_lock and self.cfg.lent_cores:
             self.borrower = borrower_for(
                 self.cfg.core_lock, engine_cores, self.cfg.lent_core_set, stub_cores
             )
+        self.lender: Lender | None = None
+        if self.cfg.lend_cores:
+            policy = LendPolicy(self.cfg.tpot_target_s)
+            self.lender = Lender(DecodeCores(self.cfg.core_lock), policy)
         self.loop = EngineLoop(
             engine,
             self.cfg.cancel_poll_s,
             name=f"{self.role}-engine",
             after_step=self._after_step,
             on_step=self.stats.step,
-            around_step=self.borrower.step if self.borrower else None,
+            around_step=self._around_step if self.borrower or self.lender else None,
         )
         self.loop.start()
         # The engine loop (and its OpenMP team) keeps the instance's cores. The threads made from
@@ -101,11 +107,24 @@ class GenerateModelBase:
         """Cumulative counts of this instance's KV transport, if it has one."""
         return {}
 
+    def _around_step(self, size: int) -> ExitStack:
+        """Decode's cores held for the step (when it lends them to prefill's passes), and
+        prefill's borrowed for it (when prefill lends them and is idle)."""
+        stack = ExitStack()
+        if self.lender is not None:
+            stack.enter_context(self.lender.step())
+        if self.borrower is not None:
+            stack.enter_context(self.borrower.step(size))
+        return stack
+
     def _after_step(self, loop: EngineLoop) -> None:
         if not loop.draining and self.drain_watch.requested():
             log.info("%s: draining, the server is stopping", self.instance_name)
             loop.drain(DRAIN_MESSAGE)
-        self.stats.set_running(len(loop.engine.scheduler.running))
+        running = len(loop.engine.scheduler.running)
+        self.stats.set_running(running)
+        if self.lender is not None:
+            self.lender.update(running)
 
     def _gauges(self) -> dict[str, float]:
         """Read on the metrics thread: sizes and counts that the engine thread updates."""
@@ -124,6 +143,9 @@ class GenerateModelBase:
             self.stats.set_total("engine_borrowed_steps_total", self.borrower.borrowed_steps)
             self.stats.set_total("engine_borrow_withheld_steps_total", guard.withheld_steps)
             gauges["engine_borrow_off_sizes"] = len(guard.off_buckets)
+        if self.lender is not None:
+            self.stats.set_total("engine_lent_steps_total", self.lender.waited_steps)
+            self.stats.set_total("engine_lent_seconds_total", self.lender.waited_s)
         return gauges
 
     def _refusal(self) -> str | None:
@@ -166,6 +188,8 @@ class GenerateModelBase:
     def finalize(self) -> None:
         self.refresher.stop()
         self.loop.stop()
+        if self.lender is not None:
+            self.lender.cores.close()
         self.sender.stop()
         self.metrics.close()
         log.info("%s finalized", self.role)

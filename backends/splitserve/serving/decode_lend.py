@@ -1,0 +1,241 @@
+"""Decode lends its cores to prefill's passes while its streams have time to spare.
+
+The other direction of ``serving.core_lend``. On a CPU split 1 + 1, a prefill core that cannot
+keep up queues prompts for seconds (TTFT) while decode's steps run well inside their time per
+token (BENCHMARKS.md, "Decode lends its cores to prefill"). Decode then offers its cores: a
+prompt pass that starts while the offer stands waits for decode's step in flight, runs with one
+more thread per lent core, and decode's next step waits for the pass. Decode offers only while
+the mean time between its steps over the last ``window_s`` stays under ``headroom`` of its
+target time per output token (``LendPolicy``), and always while it has nothing to step.
+
+Three ``flock(2)`` locks on files beside prefill's (the kernel drops a dead process's locks):
+
+- ``<path>.decode.offer``: held by decode while it offers its cores;
+- ``<path>.decode.claim``: held by a borrowing pass from the moment it wants the cores until it
+  ends, so decode starts no step in that window;
+- ``<path>.decode.cores``: held by whoever computes on decode's cores (one decode step, or one
+  borrowing pass).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from splitserve.serving.guard import PayoffGuard
+from splitserve.serving.omp_team import ThreadTeam, TorchTeam
+
+
+class DecodeCores:
+    """One side's handle on the three lock files of decode's cores at ``path``."""
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("core_lock: a path is needed")
+        flags = os.O_RDWR | os.O_CREAT
+        self._offer = os.open(f"{path}.decode.offer", flags, 0o600)
+        self._claim = os.open(f"{path}.decode.claim", flags, 0o600)
+        self._cores = os.open(f"{path}.decode.cores", flags, 0o600)
+        self._offering = False
+
+    def offer(self, on: bool) -> None:
+        """Decode's side: stand by (or withdraw) the offer of its cores."""
+        if on == self._offering:
+            return
+        fcntl.flock(self._offer, fcntl.LOCK_EX if on else fcntl.LOCK_UN)
+        self._offering = on
+
+    @property
+    def offering(self) -> bool:
+        return self._offering
+
+    def hold(self) -> bool:
+        """Decode's side: its cores for one step, after the borrowing pass in flight; whether
+        it had to wait for one. Matched by ``release``."""
+        waited = not _try_lock(self._claim)
+        if waited:
+            fcntl.flock(self._claim, fcntl.LOCK_EX)
+        try:
+            if not _try_lock(self._cores):
+                waited = True
+                fcntl.flock(self._cores, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self._claim, fcntl.LOCK_UN)
+        return waited
+
+    def release(self) -> None:
+        fcntl.flock(self._cores, fcntl.LOCK_UN)
+
+    def offered(self) -> bool:
+        """Prefill's side: whether decode offers its cores now."""
+        try:
+            fcntl.flock(self._offer, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._offer, fcntl.LOCK_UN)
+        return False
+
+    @contextmanager
+    def borrow(self) -> Iterator[None]:
+        """Prefill's side: decode's cores for one pass, after decode's step in flight."""
+        fcntl.flock(self._claim, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._cores, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._cores, fcntl.LOCK_UN)
+        finally:
+            fcntl.flock(self._claim, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in (self._offer, self._claim, self._cores):
+            os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@dataclass
+class LendPolicy:
+    """Whether decode offers its cores: while idle, and while the mean time between its steps
+    over the last ``window_s`` (what each running stream waits per token, a prompt pass on its
+    cores included) is under ``headroom`` x ``tpot_target_s``. Fed by the engine thread."""
+
+    tpot_target_s: float
+    headroom: float = 0.8
+    window_s: float = 2.0
+    _ends: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.tpot_target_s <= 0 or not 0 < self.headroom <= 1 or self.window_s <= 0:
+            raise ValueError("tpot_target_s, window_s must be positive, headroom in (0, 1]")
+
+    def stepped(self, now: float) -> None:
+        """A step that made a token for every running stream ended at ``now``."""
+        self._ends.append(now)
+
+    def idle(self) -> None:
+        """Nothing is running: the next burst is measured afresh."""
+        self._ends.clear()
+
+    def mean_interval(self, now: float) -> float | None:
+        """Mean seconds between the steps in the window, the open gap since the last one
+        counted once it is the longer; None with fewer than two steps in it."""
+        ends = self._ends
+        while ends and ends[0] < now - self.window_s:
+            ends.popleft()
+        if len(ends) < 2:
+            return None
+        closed = (ends[-1] - ends[0]) / (len(ends) - 1)
+        return max(closed, (now - ends[0]) / len(ends))
+
+    def offers(self, now: float) -> bool:
+        interval = self.mean_interval(now)
+        return interval is None or interval < self.headroom * self.tpot_target_s
+
+
+class Lender:
+    """Decode's engine-thread side: holds its cores around each step, and keeps the offer
+    standing while ``policy`` allows."""
+
+    def __init__(self, cores: DecodeCores, policy: LendPolicy) -> None:
+        self.cores = cores
+        self.policy = policy
+        self.waited_steps = 0
+        """Steps that waited for a prompt pass on the cores, and how long in all."""
+        self.waited_s = 0.0
+
+    def update(self, running: int) -> None:
+        """After every turn of the engine loop, stepped or idle."""
+        now = time.monotonic()
+        if running == 0:
+            self.policy.idle()
+            self.cores.offer(True)
+        else:
+            self.cores.offer(self.policy.offers(now))
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        start = time.monotonic()
+        if self.cores.hold():
+            self.waited_steps += 1
+            self.waited_s += time.monotonic() - start
+        try:
+            yield
+        finally:
+            self.cores.release()
+        self.policy.stepped(time.monotonic())
+
+
+class PassBorrower:
+    """Prefill's side: runs each prompt pass on its own threads, or with one more per lent core
+    when decode offers its cores and borrowing pays (``guard``, keyed by the pass's tokens).
+    Passes that found the offer standing feed the guard, with and without borrowing alike."""
+
+    def __init__(
+        self,
+        cores: DecodeCores,
+        own: set[int],
+        lent: set[int],
+        team: ThreadTeam,
+        guard: PayoffGuard | None = None,
+    ) -> None:
+        if not own or not lent or own & lent:
+            raise ValueError(
+                f"own cores {sorted(own)} and lent cores {sorted(lent)} must be "
+                "non-empty and disjoint"
+            )
+        self.cores = cores
+        self.own = own
+        self.lent = lent
+        self.team = team
+        self.guard = guard or PayoffGuard("borrowing decode's cores")
+        self.borrowed_passes = 0
+        self._lent_team_made = False
+
+    @contextmanager
+    def pass_(self, tokens: int) -> Iterator[None]:
+        """One prompt pass over ``tokens`` tokens."""
+        if not self.cores.offered():
+            yield
+            return
+        if not self.guard.use(tokens):
+            start = time.perf_counter()
+            yield
+            self.guard.record(tokens, False, time.perf_counter() - start)
+            return
+        start = time.perf_counter()
+        with self.cores.borrow():
+            self.borrowed_passes += 1
+            try:
+                if len(self.own) > 1 or not self._lent_team_made:
+                    self.team.grow(len(self.own) + len(self.lent), self.lent, self.own)
+                    self._lent_team_made = True
+                else:
+                    self.team.set_threads(len(self.own) + len(self.lent))
+                yield
+            finally:
+                self.team.set_threads(len(self.own))
+        self.guard.record(tokens, True, time.perf_counter() - start)
+
+
+def pass_borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> PassBorrower:
+    """The prefill side of decode's lending, run by the thread that computes prompt passes
+    (pinned to ``own``); ``allowed``: the cores this process may run on."""
+    if not (own | lent) <= allowed:
+        raise ValueError(
+            f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
+            f"this process may use {sorted(allowed)}"
+        )
+    return PassBorrower(DecodeCores(path), own, lent, TorchTeam())
