@@ -212,3 +212,41 @@ def test_rendered_repository_carries_the_tpot_target(tmp_path):
     decode = rendered(repo, "llm")
     assert decode.lend_cores and decode.tpot_target_s == 0.05
     assert rendered(repo, "prefill").lent_core_set == {1}
+
+
+def test_budget_is_the_longest_stall_that_keeps_the_mean_under_the_bound():
+    policy = LendPolicy(tpot_target_s=0.1, headroom=0.8, window_s=10.0)
+    assert policy.budget(0.0) == float("inf")  # nothing measured: anything goes
+    for k in range(5):
+        policy.stepped(k * 0.04)  # 40 ms steps, ends at 0 .. 0.16
+    # A stall D from 0.16, then one more 40 ms step: (0.16 + D + 0.04) / 5 <= 0.08.
+    assert policy.budget(0.16) == pytest.approx(0.2)
+    assert policy.budget(0.5) == 0.0  # already over: nothing to lend
+
+
+def test_the_budget_travels_with_the_offer(cores):
+    decode, prefill = cores
+    assert prefill.budget() == 0.0  # no offer
+    decode.offer(True, 0.25)
+    assert prefill.budget() == 0.25
+    decode.offer(True)
+    assert prefill.budget() == float("inf")
+    decode.offer(False, 0.5)
+    assert prefill.budget() == 0.0
+
+
+def test_a_pass_expected_to_outlast_the_budget_keeps_to_its_own_cores(tmp_path, cores):
+    decode, prefill = cores
+    guard = PayoffGuard("test")
+    borrower = PassBorrower(prefill, {0}, {1}, Recorder(), guard)
+    for _ in range(4):
+        guard.record(100, True, 0.001)  # 1 ms a token when borrowed, 2 ms when not
+        guard.record(100, False, 0.002)
+    decode.offer(True, 0.05)
+    with borrower.pass_(100):  # expected 100 ms > 50 ms
+        assert cores_free(str(tmp_path / "core.lock"))
+    assert borrower.over_budget == 1 and borrower.borrowed_passes == 0
+    decode.offer(True, 0.2)
+    with borrower.pass_(100):  # expected 100 ms < 200 ms
+        assert not cores_free(str(tmp_path / "core.lock"))
+    assert borrower.borrowed_passes == 1

@@ -4,11 +4,15 @@ The other direction of ``serving.core_lend``. On a CPU split 1 + 1, a prefill co
 keep up queues prompts for seconds (TTFT) while decode's steps run well inside their time per
 token (BENCHMARKS.md, "Decode lends its cores to prefill"). Decode then offers its cores: a
 prompt pass that starts while the offer stands waits for decode's step in flight, runs with one
-more thread per lent core, and decode's next step waits for the pass. Decode offers only while
-the mean time between its steps over the last ``window_s`` stays under ``headroom`` of its
-target time per output token (``LendPolicy``), and always while it has nothing to step.
+more thread per lent core, and decode's next step waits for the pass. Decode offers while the
+mean time between its steps over the last ``window_s`` stays under ``headroom`` of its target
+time per output token (``LendPolicy``), and always while it has nothing to step; with the offer
+it publishes its budget, the longest pass that keeps that mean under the bound, and a pass
+borrows only if it expects to fit (from the time per token of earlier borrowed passes of its
+size), so one long prompt cannot stall every stream for its whole pass.
 
-Three ``flock(2)`` locks on files beside prefill's (the kernel drops a dead process's locks):
+Three ``flock(2)`` locks on files beside prefill's (the kernel drops a dead process's locks),
+and the budget, one float64 in ``<path>.decode.budget`` (mapped by both):
 
 - ``<path>.decode.offer``: held by decode while it offers its cores;
 - ``<path>.decode.claim``: held by a borrowing pass from the moment it wants the cores until it
@@ -20,7 +24,10 @@ Three ``flock(2)`` locks on files beside prefill's (the kernel drops a dead proc
 from __future__ import annotations
 
 import fcntl
+import math
+import mmap
 import os
+import struct
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -41,14 +48,27 @@ class DecodeCores:
         self._offer = os.open(f"{path}.decode.offer", flags, 0o600)
         self._claim = os.open(f"{path}.decode.claim", flags, 0o600)
         self._cores = os.open(f"{path}.decode.cores", flags, 0o600)
+        budget = os.open(f"{path}.decode.budget", flags, 0o600)
+        try:
+            os.ftruncate(budget, BUDGET.size)
+            self._budget = mmap.mmap(budget, BUDGET.size)
+        finally:
+            os.close(budget)
         self._offering = False
 
-    def offer(self, on: bool) -> None:
-        """Decode's side: stand by (or withdraw) the offer of its cores."""
+    def offer(self, on: bool, budget_s: float = math.inf) -> None:
+        """Decode's side: stand by (or withdraw) the offer of its cores, for passes of up to
+        ``budget_s`` seconds."""
+        if on:
+            BUDGET.pack_into(self._budget, 0, budget_s)
         if on == self._offering:
             return
         fcntl.flock(self._offer, fcntl.LOCK_EX if on else fcntl.LOCK_UN)
         self._offering = on
+
+    def budget(self) -> float:
+        """Prefill's side: the longest pass decode lends its cores for now (0: no offer)."""
+        return BUDGET.unpack_from(self._budget, 0)[0] if self.offered() else 0.0
 
     @property
     def offering(self) -> bool:
@@ -94,8 +114,12 @@ class DecodeCores:
             fcntl.flock(self._claim, fcntl.LOCK_UN)
 
     def close(self) -> None:
+        self._budget.close()
         for fd in (self._offer, self._claim, self._cores):
             os.close(fd)
+
+
+BUDGET = struct.Struct("d")
 
 
 def _try_lock(fd: int) -> bool:
@@ -144,6 +168,19 @@ class LendPolicy:
         interval = self.mean_interval(now)
         return interval is None or interval < self.headroom * self.tpot_target_s
 
+    def budget(self, now: float) -> float:
+        """The longest stall from ``now`` after which the window's mean step interval is still
+        under the bound (the next step's own time, the closed mean, counted in)."""
+        ends = self._ends
+        if len(ends) < 2:
+            return math.inf if not ends else max(0.0, self.bound - (now - ends[0]))
+        closed = (ends[-1] - ends[0]) / (len(ends) - 1)
+        return max(0.0, self.bound * len(ends) - (now - ends[0]) - closed)
+
+    @property
+    def bound(self) -> float:
+        return self.headroom * self.tpot_target_s
+
 
 class Lender:
     """Decode's engine-thread side: holds its cores around each step, and keeps the offer
@@ -163,7 +200,7 @@ class Lender:
             self.policy.idle()
             self.cores.offer(True)
         else:
-            self.cores.offer(self.policy.offers(now))
+            self.cores.offer(self.policy.offers(now), self.policy.budget(now))
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -178,10 +215,16 @@ class Lender:
         self.policy.stepped(time.monotonic())
 
 
+POOLED_TOKENS = 512
+"""Passes of this many tokens or more share one guard key (their time per token)."""
+
+
 class PassBorrower:
     """Prefill's side: runs each prompt pass on its own threads, or with one more per lent core
-    when decode offers its cores and borrowing pays (``guard``, keyed by the pass's tokens).
-    Passes that found the offer standing feed the guard, with and without borrowing alike."""
+    when decode offers its cores, the pass is expected to fit decode's budget, and borrowing
+    pays (``guard``). Passes that found the offer standing feed the guard, with and without
+    borrowing alike, their seconds per token keyed by size (passes of ``POOLED_TOKENS`` or more
+    share one key: a long prompt is rare, and its time per token close to other long ones')."""
 
     def __init__(
         self,
@@ -202,18 +245,25 @@ class PassBorrower:
         self.team = team
         self.guard = guard or PayoffGuard("borrowing decode's cores")
         self.borrowed_passes = 0
+        self.over_budget = 0
+        """Passes decode offered its cores to that were expected to outlast its budget."""
         self._lent_team_made = False
 
     @contextmanager
     def pass_(self, tokens: int) -> Iterator[None]:
         """One prompt pass over ``tokens`` tokens."""
-        if not self.cores.offered():
+        budget = self.cores.budget()
+        key = min(tokens, POOLED_TOKENS)
+        per_token = self.guard.median(key, True)
+        if budget <= 0 or (per_token is not None and per_token * tokens > budget):
+            if budget > 0:
+                self.over_budget += 1
             yield
             return
-        if not self.guard.use(tokens):
+        if not self.guard.use(key):
             start = time.perf_counter()
             yield
-            self.guard.record(tokens, False, time.perf_counter() - start)
+            self.guard.record(key, False, (time.perf_counter() - start) / tokens)
             return
         start = time.perf_counter()
         with self.cores.borrow():
@@ -227,7 +277,7 @@ class PassBorrower:
                 yield
             finally:
                 self.team.set_threads(len(self.own))
-        self.guard.record(tokens, True, time.perf_counter() - start)
+        self.guard.record(key, True, (time.perf_counter() - start) / tokens)
 
 
 def pass_borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> PassBorrower:

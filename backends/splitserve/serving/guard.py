@@ -124,6 +124,13 @@ class PayoffGuard:
                 len(arms.off),
             )
 
+    def median(self, size: int, used: bool) -> float | None:
+        """The median recent time of steps of ``size``'s bucket with the mechanism (``used``)
+        or without it; None before any."""
+        arms = self._arms.get(size_bucket(size))
+        samples = None if arms is None else (arms.on if used else arms.off)
+        return statistics.median(samples) if samples else None
+
     @property
     def _base(self) -> int:
         return self.settings.probe_every

@@ -21,6 +21,7 @@ from splitserve.engine.request import Request, Status
 from splitserve.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from splitserve.kv.allocator import BlockAllocator
 from splitserve_tools.planner.events import SIM_KEY, TOKEN, Clock, SimRequest, engine_request
+from splitserve_tools.planner.lending import Lending
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.prefill_pool import Release
@@ -60,6 +61,7 @@ class EngineInstance:
     ) -> None:
         self.clock = clock
         self.machine = machine
+        self.lending: Lending | None = None
         self.units = units
         self.model = model
         allocator = BlockAllocator(kv_blocks)
@@ -84,12 +86,17 @@ class EngineInstance:
         scheduled loads."""
         self.busy = False
 
+    def attach(self, lending: Lending) -> None:
+        """A decode instance: the cores it shares with one prefill instance."""
+        self.lending = lending
+        lending.kick_decode = self._kick
+
     def add_prompt(self, sim: SimRequest) -> None:
         self.scheduler.add(self._request(sim))
         self._kick()
 
     def add_prefilled(self, sim: SimRequest, release: Release) -> None:
-        if self.busy:
+        if self.busy:  # applied between steps (also while a pass holds the cores: at its end)
             self.handovers.append((sim, release))
             return
         self._hand_over(sim, release)
@@ -128,17 +135,29 @@ class EngineInstance:
     def _kick(self) -> None:
         if self.busy or not self.scheduler.num_unfinished:
             return
+        if self.lending is not None and not self.lending.may_step():
+            return  # a prompt pass holds (or waits for) the cores: kicked when it ends
         self.loaded.clear()
         out = self.scheduler.schedule()
         if out.empty:
             return
+        units = self.units
         prefill_s, decode_s = self.model.engine_step(out, self.loaded)
-        seconds = self.machine.step_seconds(self.units, prefill_s, decode_s)
-        self.machine.begin(self.units)
+        if self.lending is not None:
+            wide = self.lending.decode_wide
+            faster = False
+            if wide is not None and self.lending.prefill_lends():
+                wide_prefill_s, wide_decode_s = wide.model.engine_step(out, self.loaded)
+                faster = wide_prefill_s + wide_decode_s < prefill_s + decode_s
+                if faster:
+                    units, prefill_s, decode_s = wide.units, wide_prefill_s, wide_decode_s
+            self.lending.step_started(faster)
+        seconds = self.machine.step_seconds(units, prefill_s, decode_s)
+        self.machine.begin(units)
         self.busy = True
-        self.clock.at(self.clock.now + seconds, lambda: self._end_step(out))
+        self.clock.at(self.clock.now + seconds, lambda: self._end_step(out, units))
 
-    def _end_step(self, out: SchedulerOutput) -> None:
+    def _end_step(self, out: SchedulerOutput, units: int) -> None:
         """What ``Engine.step`` does once the forward pass is back: the KV is written (and its
         full blocks cached), then tokens are sampled."""
         for req in out.decodes:
@@ -154,9 +173,11 @@ class EngineInstance:
         for req, _ in out.prefills:
             if req.num_computed == req.num_tokens and self._sample(req):
                 self.scheduler.remove(req)
-        self.machine.end(self.units)
+        self.machine.end(units)
         self.busy = False
         for sim, release in self.handovers:
             self._hand_over(sim, release)
         self.handovers.clear()
+        if self.lending is not None:  # a pass waiting for these cores starts first
+            self.lending.step_ended(self.clock.now, len(self.scheduler.running))
         self._kick()

@@ -38,6 +38,11 @@ class Limits:
     """KV pool of each instance."""
     prefix_cache: bool = True
     """Instances reuse the KV of cached prompt prefixes, as the server does by default."""
+    lend_cores: bool = True
+    """A CPU split of one prefill and one decode instance lends cores both ways, as the server
+    does by default (``serving.core_lend``, ``serving.decode_lend``)."""
+    tpot_target_s: float = 0.1
+    """Decode's ``tpot_target_s``: it lends its cores to passes while its steps leave room."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_max_batch_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -45,6 +50,8 @@ class Limits:
                 raise ValueError(f"{name} must be positive")
         if self.prefill_queue_delay_s < 0 or self.kv_cache_bytes <= 0:
             raise ValueError("queue delay must be >= 0 and kv_cache_bytes positive")
+        if self.tpot_target_s <= 0:
+            raise ValueError("tpot_target_s must be positive")
 
 
 @dataclass(frozen=True)

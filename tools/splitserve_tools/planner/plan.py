@@ -88,7 +88,7 @@ class Plan:
             settings["prefix_cache"] = "false"
         params: dict[str, dict[str, Any]] = {
             "prefill": {},
-            "decode": {"max_num_seqs": lim.max_num_seqs},
+            "decode": {"max_num_seqs": lim.max_num_seqs, "tpot_target_s": lim.tpot_target_s},
             "colocated": {
                 "max_num_seqs": lim.max_num_seqs,
                 "max_num_batched_tokens": lim.max_num_batched_tokens,
@@ -106,6 +106,8 @@ class Plan:
             settings=settings,
             prefill_max_batch_size=lim.prefill_max_batch_size,
             prefill_queue_delay_us=round(lim.prefill_queue_delay_s * 1e6),
+            lend_prefill_cores=None if lim.lend_cores else False,
+            lend_decode_cores=None if lim.lend_cores else False,
             **specs,
         )
 

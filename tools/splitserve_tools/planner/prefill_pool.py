@@ -19,6 +19,7 @@ from splitserve.engine.prefix import PrefixCache, PrefixStats
 from splitserve.engine.request import Request
 from splitserve.kv.allocator import BlockAllocator
 from splitserve_tools.planner.events import SIM_KEY, Clock, SimRequest, engine_request
+from splitserve_tools.planner.lending import Lending
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.step_model import StepModel
@@ -39,8 +40,11 @@ class PrefillPool:
         kv_blocks: int,
         on_done: Callable[[SimRequest, Release], None],
         prefix_cache: bool = False,
+        lending: Lending | None = None,
     ) -> None:
+        """``lending``: with one instance, the cores it shares with one decode instance."""
         self.clock = clock
+        self.lending = lending
         self.machine = machine
         self.units = units
         self.model = model
@@ -99,26 +103,42 @@ class PrefillPool:
             if not batch:
                 return
             self.idle.remove(inst)
-            seconds = self.model.prompt_pass(
-                [sim.input_len for sim, _ in batch], [req.num_computed for _, req in batch]
-            )
-            seconds = self.machine.step_seconds(self.units, seconds, 0.0)
-            self.machine.begin(self.units)
-            done_at = self.clock.now + seconds
-            self.clock.at(done_at, partial(self._finish, inst, batch))
+            start = partial(self._start, inst, batch)
+            wide = None if self.lending is None else self.lending.prefill_wide
+            if self.lending is None or wide is None:
+                start(False)
+            else:
+                self.lending.start_pass(self.clock.now, self._pass_s(wide.model, batch), start)
+
+    @staticmethod
+    def _pass_s(model: StepModel, batch: list[tuple[SimRequest, Request]]) -> float:
+        lengths = [sim.input_len for sim, _ in batch]
+        return model.prompt_pass(lengths, [req.num_computed for _, req in batch])
+
+    def _start(self, inst: int, batch: list[tuple[SimRequest, Request]], wide: bool) -> None:
+        """The pass of ``batch`` starts now, on the decode instance's cores too if ``wide``."""
+        model, units = self.model, self.units
+        if wide:
+            assert self.lending is not None and self.lending.prefill_wide is not None
+            model, units = self.lending.prefill_wide.model, self.lending.prefill_wide.units
+        seconds = self.machine.step_seconds(units, self._pass_s(model, batch), 0.0)
+        self.machine.begin(units)
+        self.clock.at(self.clock.now + seconds, partial(self._finish, inst, batch, units))
 
     def _on_timer(self) -> None:
         self._timer_at = math.inf
         self._dispatch()
 
-    def _finish(self, inst: int, batch: list[tuple[SimRequest, Request]]) -> None:
-        self.machine.end(self.units)
+    def _finish(self, inst: int, batch: list[tuple[SimRequest, Request]], units: int) -> None:
+        self.machine.end(units)
         self.idle.append(inst)
         cache = self.caches[inst]
         for sim, req in batch:
             if cache is not None:
                 cache.commit(req, sim.input_len)
             self.on_done(sim, partial(self._release, inst, req.block_ids))
+        if self.lending is not None:  # after the handovers: decode applies them, then steps
+            self.lending.pass_ended()
         self._dispatch()
 
     def _release(self, inst: int, blocks: list[int]) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 from splitserve.engine.prefix import PrefixStats
 from splitserve_tools.planner.events import Clock, SimRequest
 from splitserve_tools.planner.instances import EngineInstance
+from splitserve_tools.planner.lending import Lending, Wider
 from splitserve_tools.planner.machine import Machine
 from splitserve_tools.planner.placement import Placement, Role
 from splitserve_tools.planner.prefill_pool import PrefillPool
@@ -224,6 +225,9 @@ def simulate(
             for _ in range(decode.instances)
         ]
         owner: dict[int, EngineInstance] = {}
+        lending = _lending(profile, placement)
+        if lending is not None:
+            decoders[0].attach(lending)
         pool = PrefillPool(
             clock,
             machine,
@@ -234,6 +238,7 @@ def simulate(
             blocks,
             lambda req, release: owner[req.idx].add_prefilled(req, release),
             caching,
+            lending,
         )
         turn = cycle(decoders)
 
@@ -264,6 +269,23 @@ def simulate(
             reqs[req.follows].on_finish = partial(_send_after, clock, req, delay, submit)
     clock.run()
     return reqs, PrefixStats.total(part.prefix_stats for part in computing)
+
+
+def _lending(profile: Profile, placement: Placement) -> Lending | None:
+    """The cores lent between the roles, where the server lends them: a CPU split of one
+    prefill and one decode instance (each direction where the profile has fits for both
+    roles' cores together)."""
+    p, d = placement.prefill, placement.decode
+    if not placement.limits.lend_cores or profile.device != "cpu" or p is None or d is None:
+        return None
+    if p.instances != 1 or d.instances != 1 or p.units + d.units not in profile.units:
+        return None
+    both = Role(1, p.units + d.units)
+    return Lending(
+        Wider(step_model(profile, both), both.units),
+        Wider(step_model(profile, both, p), both.units),
+        placement.limits.tpot_target_s,
+    )
 
 
 def _send_after(
