@@ -81,6 +81,8 @@ COUNTERS = {
     "decode while its steps left room under its tpot_target_s (core_lock)",
     "prefill_borrow_withheld_passes_total": "Prompt passes run on prefill's own cores although "
     "decode offered its: where borrowing did not pay, and probes that keep timing both",
+    "prefill_borrow_over_budget_passes_total": "Prompt passes kept on prefill's own cores "
+    "although decode offered its: expected to outlast decode's budget",
     "engine_lent_steps_total": "Decode steps that waited for a prompt pass on decode's cores",
     "engine_lent_seconds_total": "Seconds decode's steps waited for prompt passes on its cores",
 }

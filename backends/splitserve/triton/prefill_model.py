@@ -118,6 +118,8 @@ class PrefillModel:
             withheld = self.borrower.guard.withheld_steps
             self.stats.set_total("prefill_borrowed_passes_total", self.borrower.borrowed_passes)
             self.stats.set_total("prefill_borrow_withheld_passes_total", withheld)
+            over = self.borrower.over_budget
+            self.stats.set_total("prefill_borrow_over_budget_passes_total", over)
         return {
             **record_kv_pool(self.stats, self.engine.allocator, self.engine.prefix),
             **record_transport(self.stats, self.transport.stats()),
