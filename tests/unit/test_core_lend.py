@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from lend_doubles import Always, Recorder
 from rendered_config import rendered
 
 from splitserve.deploy.render import render
@@ -64,33 +65,6 @@ def test_prefill_waits_for_the_borrowed_step_and_decode_yields_meanwhile(locks):
     thread.join(5)
     assert decode.try_borrow()
     decode.give_back()
-
-
-class Recorder:
-    """A ``ThreadTeam`` that records what the borrower asks of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def set_threads(self, n: int) -> None:
-        self.calls.append(("threads", n))
-
-    def grow(self, n: int, cores: set[int], home: set[int]) -> None:
-        self.calls.append(("grow", n, sorted(cores), sorted(home)))
-
-
-class Always(PayoffGuard):
-    """A guard that always borrows and keeps what it was told."""
-
-    def __init__(self) -> None:
-        super().__init__("test")
-        self.records: list[tuple[int, bool, float]] = []
-
-    def use(self, size: int) -> bool:
-        return True
-
-    def record(self, size: int, used: bool, seconds: float) -> None:
-        self.records.append((size, used, seconds))
 
 
 def test_borrower_makes_the_lent_workers_on_the_lent_cores_once(locks):

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from lend_doubles import Always, Recorder
 from rendered_config import rendered
 
 from splitserve.deploy.render import render
@@ -124,31 +125,6 @@ def test_lender_offers_while_idle_withdraws_when_steps_run_late(cores):
     lender.update(running=0)
     assert prefill.offered()
     assert lender.waited_steps == 0
-
-
-class Recorder:
-    """A ``ThreadTeam`` that records what the borrower asks of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def set_threads(self, n: int) -> None:
-        self.calls.append(("threads", n))
-
-    def grow(self, n: int, cores: set[int], home: set[int]) -> None:
-        self.calls.append(("grow", n, sorted(cores), sorted(home)))
-
-
-class Always(PayoffGuard):
-    def __init__(self) -> None:
-        super().__init__("test")
-        self.records: list[tuple[int, bool, float]] = []
-
-    def use(self, size: int) -> bool:
-        return True
-
-    def record(self, size: int, used: bool, seconds: float) -> None:
-        self.records.append((size, used, seconds))
 
 
 def test_pass_borrower_borrows_only_while_offered_and_makes_the_workers_once(tmp_path, cores):

@@ -23,9 +23,10 @@ import fcntl
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from splitserve.serving.guard import PayoffGuard
+from splitserve.serving.lent_team import LentTeam, check_usable, claimed, try_lock
 from splitserve.serving.omp_team import ThreadTeam, TorchTeam
 
 
@@ -38,26 +39,17 @@ class CoreLock:
         self._claim = os.open(f"{path}.claim", os.O_RDWR | os.O_CREAT, 0o600)
         self._cores = os.open(f"{path}.cores", os.O_RDWR | os.O_CREAT, 0o600)
 
-    @contextmanager
-    def lend(self) -> Iterator[None]:
+    def lend(self) -> AbstractContextManager[None]:
         """Prefill's side: hold the cores for one pass, after the borrowed step in flight."""
-        fcntl.flock(self._claim, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._cores, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._cores, fcntl.LOCK_UN)
-        finally:
-            fcntl.flock(self._claim, fcntl.LOCK_UN)
+        return claimed(self._claim, self._cores)
 
     def try_borrow(self) -> bool:
         """Decode's side: take the cores if prefill neither computes nor wants them; never
         waits. A True must be matched by ``give_back``."""
-        if not _try_lock(self._claim):
+        if not try_lock(self._claim):
             return False
         fcntl.flock(self._claim, fcntl.LOCK_UN)
-        return _try_lock(self._cores)
+        return try_lock(self._cores)
 
     def give_back(self) -> None:
         fcntl.flock(self._cores, fcntl.LOCK_UN)
@@ -65,14 +57,6 @@ class CoreLock:
     def close(self) -> None:
         os.close(self._claim)
         os.close(self._cores)
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 class Borrower:
@@ -93,25 +77,25 @@ class Borrower:
         team: ThreadTeam,
         guard: PayoffGuard | None = None,
     ) -> None:
-        if not own or not lent or own & lent:
-            raise ValueError(
-                f"own cores {sorted(own)} and lent cores {sorted(lent)} must be "
-                "non-empty and disjoint"
-            )
         self.lock = lock
-        self.own = own
-        self.lent = lent
-        self.team = team
+        self.widen = LentTeam(team, own, lent)
         self.guard = guard or PayoffGuard("borrowing prefill's cores")
         self.borrowed_steps = 0
         self._own_team_made = len(own) == 1
-        self._lent_team_made = False
+
+    @property
+    def own(self) -> set[int]:
+        return self.widen.own
+
+    @property
+    def lent(self) -> set[int]:
+        return self.widen.lent
 
     @contextmanager
     def step(self, size: int) -> Iterator[None]:
         """One engine step of ``size`` requests."""
         if not self._own_team_made:
-            self.team.grow(len(self.own), self.own, self.own)
+            self.widen.team.grow(len(self.own), self.own, self.own)
             self._own_team_made = True
         if not self.lock.try_borrow():
             yield
@@ -124,25 +108,16 @@ class Borrower:
             return
         self.borrowed_steps += 1
         try:
-            if len(self.own) > 1 or not self._lent_team_made:
-                self.team.grow(len(self.own) + len(self.lent), self.lent, self.own)
-                self._lent_team_made = True
-            else:
-                self.team.set_threads(len(self.own) + len(self.lent))
-            start = time.perf_counter()
-            yield
-            self.guard.record(size, True, time.perf_counter() - start)
+            with self.widen.widened():
+                start = time.perf_counter()
+                yield
+                self.guard.record(size, True, time.perf_counter() - start)
         finally:
             self.lock.give_back()
-            self.team.set_threads(len(self.own))
 
 
 def borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> Borrower:
     """The decode side of ``core_lock``, run by the engine thread (pinned to ``own``);
     ``allowed``: the cores this process may run on."""
-    if not (own | lent) <= allowed:
-        raise ValueError(
-            f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
-            f"this process may use {sorted(allowed)}"
-        )
+    check_usable(own, lent, allowed)
     return Borrower(CoreLock(path), own, lent, TorchTeam())

@@ -31,10 +31,11 @@ import struct
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
 from splitserve.serving.guard import PayoffGuard
+from splitserve.serving.lent_team import LentTeam, check_usable, claimed, try_lock
 from splitserve.serving.omp_team import ThreadTeam, TorchTeam
 
 
@@ -77,11 +78,11 @@ class DecodeCores:
     def hold(self) -> bool:
         """Decode's side: its cores for one step, after the borrowing pass in flight; whether
         it had to wait for one. Matched by ``release``."""
-        waited = not _try_lock(self._claim)
+        waited = not try_lock(self._claim)
         if waited:
             fcntl.flock(self._claim, fcntl.LOCK_EX)
         try:
-            if not _try_lock(self._cores):
+            if not try_lock(self._cores):
                 waited = True
                 fcntl.flock(self._cores, fcntl.LOCK_EX)
         finally:
@@ -100,18 +101,9 @@ class DecodeCores:
         fcntl.flock(self._offer, fcntl.LOCK_UN)
         return False
 
-    @contextmanager
-    def borrow(self) -> Iterator[None]:
+    def borrow(self) -> AbstractContextManager[None]:
         """Prefill's side: decode's cores for one pass, after decode's step in flight."""
-        fcntl.flock(self._claim, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._cores, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._cores, fcntl.LOCK_UN)
-        finally:
-            fcntl.flock(self._claim, fcntl.LOCK_UN)
+        return claimed(self._claim, self._cores)
 
     def close(self) -> None:
         self._budget.close()
@@ -120,14 +112,6 @@ class DecodeCores:
 
 
 BUDGET = struct.Struct("d")
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 @dataclass
@@ -234,20 +218,12 @@ class PassBorrower:
         team: ThreadTeam,
         guard: PayoffGuard | None = None,
     ) -> None:
-        if not own or not lent or own & lent:
-            raise ValueError(
-                f"own cores {sorted(own)} and lent cores {sorted(lent)} must be "
-                "non-empty and disjoint"
-            )
         self.cores = cores
-        self.own = own
-        self.lent = lent
-        self.team = team
+        self.widen = LentTeam(team, own, lent)
         self.guard = guard or PayoffGuard("borrowing decode's cores")
         self.borrowed_passes = 0
         self.over_budget = 0
         """Passes decode offered its cores to that were expected to outlast its budget."""
-        self._lent_team_made = False
 
     @contextmanager
     def pass_(self, tokens: int) -> Iterator[None]:
@@ -266,26 +242,14 @@ class PassBorrower:
             self.guard.record(key, False, (time.perf_counter() - start) / tokens)
             return
         start = time.perf_counter()
-        with self.cores.borrow():
+        with self.cores.borrow(), self.widen.widened():
             self.borrowed_passes += 1
-            try:
-                if len(self.own) > 1 or not self._lent_team_made:
-                    self.team.grow(len(self.own) + len(self.lent), self.lent, self.own)
-                    self._lent_team_made = True
-                else:
-                    self.team.set_threads(len(self.own) + len(self.lent))
-                yield
-            finally:
-                self.team.set_threads(len(self.own))
+            yield
         self.guard.record(key, True, (time.perf_counter() - start) / tokens)
 
 
 def pass_borrower_for(path: str, own: set[int], lent: set[int], allowed: set[int]) -> PassBorrower:
     """The prefill side of decode's lending, run by the thread that computes prompt passes
     (pinned to ``own``); ``allowed``: the cores this process may run on."""
-    if not (own | lent) <= allowed:
-        raise ValueError(
-            f"lent_cores {sorted(lent)} and cpu_cores {sorted(own)} must be among the cores "
-            f"this process may use {sorted(allowed)}"
-        )
+    check_usable(own, lent, allowed)
     return PassBorrower(DecodeCores(path), own, lent, TorchTeam())
