@@ -198,16 +198,16 @@ class DeploymentSpec:
     @property
     def lends(self) -> bool:
         """Prefill lends its cores to decode."""
-        if self.lend_prefill_cores is None:
-            return lending_refusal(self) is None
-        return self.lend_prefill_cores
+        return self._lends(self.lend_prefill_cores)
 
     @property
     def lends_decode(self) -> bool:
         """Decode lends its cores to prefill."""
-        if self.lend_decode_cores is None:
-            return lending_refusal(self) is None
-        return self.lend_decode_cores
+        return self._lends(self.lend_decode_cores)
+
+    def _lends(self, asked: bool | None) -> bool:
+        """None: wherever the layout allows."""
+        return lending_refusal(self) is None if asked is None else asked
 
     def serving_config(self, model: str, repo_dir: Path) -> ServingConfig:
         """What the stubs of ``model`` run with when the repository is rendered in ``repo_dir``

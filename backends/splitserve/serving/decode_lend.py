@@ -137,12 +137,17 @@ class LendPolicy:
         """Nothing is running: the next burst is measured afresh."""
         self._ends.clear()
 
-    def mean_interval(self, now: float) -> float | None:
-        """Mean seconds between the steps in the window, the open gap since the last one
-        counted once it is the longer; None with fewer than two steps in it."""
+    def _window(self, now: float) -> deque[float]:
+        """The step ends within ``window_s`` of ``now`` (older ones dropped)."""
         ends = self._ends
         while ends and ends[0] < now - self.window_s:
             ends.popleft()
+        return ends
+
+    def mean_interval(self, now: float) -> float | None:
+        """Mean seconds between the steps in the window, the open gap since the last one
+        counted once it is the longer; None with fewer than two steps in it."""
+        ends = self._window(now)
         if len(ends) < 2:
             return None
         closed = (ends[-1] - ends[0]) / (len(ends) - 1)
@@ -155,7 +160,7 @@ class LendPolicy:
     def budget(self, now: float) -> float:
         """The longest stall from ``now`` after which the window's mean step interval is still
         under the bound (the next step's own time, the closed mean, counted in)."""
-        ends = self._ends
+        ends = self._window(now)
         if len(ends) < 2:
             return math.inf if not ends else max(0.0, self.bound - (now - ends[0]))
         closed = (ends[-1] - ends[0]) / (len(ends) - 1)

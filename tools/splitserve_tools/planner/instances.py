@@ -146,7 +146,7 @@ class EngineInstance:
         if self.lending is not None:
             wide = self.lending.decode_wide
             faster = False
-            if wide is not None and self.lending.prefill_lends():
+            if self.lending.prefill_lends():
                 wide_prefill_s, wide_decode_s = wide.model.engine_step(out, self.loaded)
                 faster = wide_prefill_s + wide_decode_s < prefill_s + decode_s
                 if faster:

@@ -30,14 +30,9 @@ class Lending:
     """Which cores the next pass or step runs on; driven by ``PrefillPool`` and the decode
     ``EngineInstance``, which ask before they start and report when they end."""
 
-    def __init__(
-        self,
-        prefill_wide: Wider | None,
-        decode_wide: Wider | None,
-        tpot_target_s: float,
-    ) -> None:
-        """``prefill_wide``: prompt passes on both roles' cores (None: decode lends none);
-        ``decode_wide``: decode steps on both (None: prefill lends none)."""
+    def __init__(self, prefill_wide: Wider, decode_wide: Wider, tpot_target_s: float) -> None:
+        """``prefill_wide``: prompt passes on both roles' cores; ``decode_wide``: decode
+        steps on both."""
         self.prefill_wide = prefill_wide
         self.decode_wide = decode_wide
         self.policy = LendPolicy(tpot_target_s)
@@ -57,8 +52,6 @@ class Lending:
 
     def decode_offers(self, now: float, wide_s: float) -> bool:
         """Whether a pass of ``wide_s`` seconds on both roles' cores may borrow decode's."""
-        if self.prefill_wide is None:
-            return False
         if self.decode_running == 0:
             return True
         return self.policy.offers(now) and wide_s <= self.policy.budget(now)
@@ -90,7 +83,7 @@ class Lending:
 
     def prefill_lends(self) -> bool:
         """Whether a decode step starting now may run on prefill's cores too (prefill idle)."""
-        return self.decode_wide is not None and not self.prefill_busy
+        return not self.prefill_busy
 
     def step_started(self, wide: bool) -> None:
         """A decode step starts, on prefill's cores too if ``wide`` (where ``prefill_lends``

@@ -104,11 +104,11 @@ class PrefillPool:
                 return
             self.idle.remove(inst)
             start = partial(self._start, inst, batch)
-            wide = None if self.lending is None else self.lending.prefill_wide
-            if self.lending is None or wide is None:
+            if self.lending is None:
                 start(False)
             else:
-                self.lending.start_pass(self.clock.now, self._pass_s(wide.model, batch), start)
+                wide_s = self._pass_s(self.lending.prefill_wide.model, batch)
+                self.lending.start_pass(self.clock.now, wide_s, start)
 
     @staticmethod
     def _pass_s(model: StepModel, batch: list[tuple[SimRequest, Request]]) -> float:
@@ -119,7 +119,7 @@ class PrefillPool:
         """The pass of ``batch`` starts now, on the decode instance's cores too if ``wide``."""
         model, units = self.model, self.units
         if wide:
-            assert self.lending is not None and self.lending.prefill_wide is not None
+            assert self.lending is not None
             model, units = self.lending.prefill_wide.model, self.lending.prefill_wide.units
         seconds = self.machine.step_seconds(units, self._pass_s(model, batch), 0.0)
         self.machine.begin(units)
