@@ -118,10 +118,12 @@ def test_a_workload_moves_the_counts_and_leaves_nothing_held(
     )
     assert sum(grew(name, "llm") for name in lent) >= 1
     # And decode offers its core to prefill's passes while it is idle or its steps leave room
-    # under tpot_target_s: a pass borrows it, or the guard keeps it on its own core.
+    # under tpot_target_s: a pass borrows it, or the guard or decode's budget keeps it on its
+    # own core.
     borrowed = (
         "splitserve_prefill_borrowed_passes_total",
         "splitserve_prefill_borrow_withheld_passes_total",
+        "splitserve_prefill_borrow_over_budget_passes_total",
     )
     assert sum(grew(name, "prefill") for name in borrowed) >= 1
     assert grew("splitserve_engine_lent_seconds_total", "llm") >= 0
