@@ -1,7 +1,7 @@
 """Kernels behind one signature each: an OpenAI Triton kernel (``gpu/``) chosen per call for
 CUDA tensors, a C++ kernel (``cpu/``) for CPU tensors where one exists, the pure-torch reference
-(``reference/``) everywhere else (see ``dispatch``). Prefill attention and KV gathers use the
-references on every device. ``cpu_status()`` says whether the compiled CPU kernels or the
+(``reference/``) everywhere else (see ``dispatch``). Prefill attention on CUDA and KV gathers
+use the references. ``cpu_status()`` says whether the compiled CPU kernels or the
 references run on CPUs (and why); ``python -m splitserve_kernels.build`` builds them ahead of
 use."""
 
@@ -13,6 +13,7 @@ from splitserve_kernels.dispatch import (
     fp8_encode_blocks,
     greedy_tokens,
     paged_decode_attention,
+    paged_prefill_attention,
     prepare,
     rms_norm,
     rotary_write_kv,
@@ -31,6 +32,7 @@ __all__ = [
     "gather_kv",
     "greedy_tokens",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "prepare",
     "rms_norm",
     "rotary_write_kv",

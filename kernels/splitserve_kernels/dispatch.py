@@ -51,6 +51,25 @@ def paged_decode_attention(
     )
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_tables: list[torch.Tensor],
+    cu_seqlens_q: list[int],
+    cu_seqlens_k: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a prefill batch's new tokens ``q`` ``[T, heads, d]`` over each
+    sequence's keys in the cache (see ``reference.attention.paged_prefill_attention``). The C++
+    kernel on CPUs; the reference (a gather, then torch's attention) elsewhere."""
+    fits = cpu.usable(q) and cache.is_contiguous() and q.shape[-1] in cpu.PREFILL_HEAD_DIMS
+    return (cpu if fits else attention).paged_prefill_attention(
+        q, cache, layer, block_tables, cu_seqlens_q, cu_seqlens_k, scale, sliding_window
+    )
+
+
 def prepare(device: torch.device | str) -> None:
     """Build or load the kernels a model on ``device`` calls, before its first request."""
     if torch.device(device).type == "cpu":

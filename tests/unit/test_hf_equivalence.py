@@ -17,6 +17,9 @@ TEXTS = [
     "café 東京 😀 and a much longer prompt that spans several blocks of the paged cache, "
     "so that the block table of this request has more than one entry in it.",
     "A",
+    # Past one 64-token tile of the CPU prefill attention kernel (80+ tokens).
+    "Numbers 1234 5678, names like Ada and Grace, words: attention, cache, block, "
+    "decode, prefill; symbols #@!? and more text so that the prompt runs past one tile.",
 ]
 
 

@@ -97,15 +97,15 @@ class DecoderLayer(nn.Module):
                 q, cache, self.index, batch.block_tables, batch.seq_lens, self.scale, window
             )
         assert batch.cu_seqlens_q is not None and batch.seq_block_tables is not None
-        cu_k = batch.cu_seqlens_k
-        parts = [
-            kernels.gather_kv(cache, self.index, table, cu_k[i + 1] - cu_k[i])
-            for i, table in enumerate(batch.seq_block_tables)
-        ]
-        # One prompt (the usual prefill batch): its gathered tensors as they are, not copied again.
-        k, v = parts[0] if len(parts) == 1 else (torch.cat(t) for t in zip(*parts, strict=True))
-        return kernels.varlen_prefill_attention(
-            q, k, v, batch.cu_seqlens_q, cu_k, self.scale, window
+        return kernels.paged_prefill_attention(
+            q,
+            cache,
+            self.index,
+            batch.seq_block_tables,
+            batch.cu_seqlens_q,
+            batch.cu_seqlens_k,
+            self.scale,
+            window,
         )
 
 

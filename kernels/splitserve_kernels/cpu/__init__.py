@@ -1,6 +1,6 @@
-"""C++ kernels for CPUs (decode attention, RMSNorm, rotary + KV write, SwiGLU, greedy token choice,
-FP8 transfer encoding of KV blocks),
-compiled on first use with the local compiler (g++ and ninja; the sources ship in the wheel).
+"""C++ kernels for CPUs (decode and prefill attention, RMSNorm, rotary + KV write, SwiGLU,
+greedy token choice, FP8 transfer encoding of KV blocks), compiled on first use with the local
+compiler (g++ and ninja; the sources ship in the wheel).
 
 The build (a minute or more on a small machine; README) is cached under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a directory per installed
@@ -34,6 +34,7 @@ _SOURCES = [
     for name in (
         "module.cpp",
         "paged_attention.cpp",
+        "prefill_attention.cpp",
         "norm.cpp",
         "rotary.cpp",
         "activation.cpp",
@@ -182,6 +183,34 @@ def paged_decode_attention(
     cache in place. Only called where ``extension()`` built."""
     return _ext().paged_decode_attention(
         q, cache, layer, block_tables, seq_lens, scale, sliding_window or -1
+    )
+
+
+PREFILL_HEAD_DIMS = (32, 64, 128)
+"""Head dims the prefill attention kernel is compiled for; others use the reference."""
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_tables: list[torch.Tensor],
+    cu_seqlens_q: list[int],
+    cu_seqlens_k: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.attention.paged_prefill_attention``, for CPU tensors; reads
+    the cache in place."""
+    return _ext().paged_prefill_attention(
+        q,
+        cache,
+        layer,
+        block_tables,
+        torch.tensor(cu_seqlens_q),
+        torch.tensor(cu_seqlens_k),
+        scale,
+        sliding_window or -1,
     )
 
 

@@ -2,10 +2,14 @@
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 torch::Tensor paged_decode_attention(
     torch::Tensor q, torch::Tensor cache, int64_t layer, torch::Tensor block_tables,
     torch::Tensor seq_lens, double scale, int64_t window);
+torch::Tensor paged_prefill_attention(
+    torch::Tensor q, torch::Tensor cache, int64_t layer, std::vector<torch::Tensor> block_tables,
+    torch::Tensor cu_seqlens_q, torch::Tensor cu_seqlens_k, double scale, int64_t window);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(
     torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -25,6 +29,7 @@ void fp8_decode_blocks(torch::Tensor q, torch::Tensor scales, torch::Tensor src_
 // (docs/bench/HISTORY.md, "The CPU kernels and the GIL").
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention", &paged_prefill_attention);
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rotary_write_kv", &rotary_write_kv);

@@ -75,6 +75,28 @@ def varlen_prefill_attention(
     return out
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layer: int,
+    block_tables: list[torch.Tensor],
+    cu_seqlens_q: list[int],
+    cu_seqlens_k: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``varlen_prefill_attention`` over keys and values gathered from the cache: sequence ``i``'s
+    are its first ``cu_k[i+1] - cu_k[i]`` tokens in the blocks of ``block_tables[i]`` (cached
+    context, then this pass's tokens, already written)."""
+    parts = [
+        gather_kv(cache, layer, table, cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+        for i, table in enumerate(block_tables)
+    ]
+    # One prompt (the usual prefill batch): its gathered tensors as they are, not copied again.
+    k, v = parts[0] if len(parts) == 1 else (torch.cat(t) for t in zip(*parts, strict=True))
+    return varlen_prefill_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, sliding_window)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
