@@ -5,14 +5,17 @@
 // A work item is one sequence, one kv head and a tile of up to kTile of its new tokens; its rows
 // are the tile's tokens times the query heads that share the kv head, so each key is read once
 // for the whole group. Keys and values come kKeys at a time (a key block), packed from their
-// cache blocks into per-thread tiles; for each key block:
-// - scores of every row, kScoreRows rows at a time, a key block's scores of a row in 4 vector
-//   accumulators. With AVX512-BF16, bfloat16 queries and keys (packed as pairs of dims per key)
-//   are multiplied in pairs without widening; otherwise float32 FMAs on widened keys;
-// - an online softmax per row: a running max and sum, the row's output rescaled when next
+// cache blocks into per-thread tiles. Rows go through each key block kRows at a time, in one
+// pass whose scores never leave registers:
+// - scores of the rows against the keys they can see (a block that crosses the rows' positions
+//   is cut at the last one). With AVX512-BF16, bfloat16 queries and keys (packed as pairs of
+//   dims per key) are multiplied in pairs without widening; otherwise float32 FMAs on widened
+//   keys;
+// - an online softmax per row: a running max and sum, the row's output rescaled as it is next
 //   accumulated; the mask runs only on blocks that reach past a row's position or its window;
-// - values: the probabilities (bfloat16 pairs with AVX512-BF16, as the eager bfloat16 attention
-//   rounds them, else float32) times the packed values, into float32 outputs.
+// - values: the probabilities (rounded to bfloat16 pairs with AVX512-BF16, as the eager
+//   bfloat16 attention rounds them, else float32) times the packed values, into float32
+//   outputs.
 // Each row's output is divided by its sum at the end. Items go to threads in contiguous runs of
 // about equal work. The pure-torch reference is
 // splitserve_kernels.reference.attention.paged_prefill_attention.
@@ -32,9 +35,7 @@ namespace {
 
 constexpr int64_t kKeys = 4 * W;  // keys per key block: four vectors of scores per row
 constexpr int64_t kTile = 64;     // new tokens per work item
-constexpr int kScoreRows = 4;     // rows whose scores are computed together (16 accumulators)
-template <int64_t kDim>            // rows whose outputs are accumulated together (16 vectors)
-constexpr int kValueRows = std::max<int>(1, 16 / (kDim / W));
+constexpr int kRows = 4;          // rows taken together: 16 accumulators of scores or outputs
 
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;
@@ -128,146 +129,204 @@ void pack_block(
   }
 }
 
-// Scores of rows [r0, r0 + R) against a packed key block, times `scale`, into s [rows][kKeys].
-// `qf` is the float rows (scaled already) where !pairs().
-template <typename scalar_t, int64_t kDim, int R>
+// Scores of rows [r0, r0 + R) against the first NV vectors of keys of a packed block, times
+// `scale`, into registers. `qf` is the float rows (scaled already) where !pairs().
+template <typename scalar_t, int64_t kDim, int R, int NV>
 inline void scores(
     const Rows<scalar_t>& rows, const float* qf, int64_t r0, const float* keys, float scale,
-    float* s) {
+    vf (&s)[R][4]) {
   if constexpr (pairs<scalar_t>()) {
 #ifdef __AVX512BF16__
-    __m512 acc[R][4];
+    __m512 acc[R][NV];
     const uint32_t* q[R];
     for (int r = 0; r < R; ++r) {
       q[r] = reinterpret_cast<const uint32_t*>(rows.q + rows.offset(r0 + r));
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
     }
     const auto* kp = reinterpret_cast<const uint32_t*>(keys);
     for (int64_t p = 0; p < kDim / 2; ++p) {
-      __m512bh k[4];
-      for (int c = 0; c < 4; ++c) {
+      __m512bh k[NV];
+      for (int c = 0; c < NV; ++c) {
         k[c] = (__m512bh)_mm512_loadu_si512(kp + p * kKeys + c * W);
       }
       for (int r = 0; r < R; ++r) {
         const auto qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][p]));
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, k[c]);
+        for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, k[c]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) store(s + (r0 + r) * kKeys + c * W, (vf)acc[r][c] * scale);
+      for (int c = 0; c < NV; ++c) s[r][c] = (vf)acc[r][c] * scale;
     }
 #endif
   } else {
-    vf acc[R][4];
+    vf acc[R][NV];
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) acc[r][c] = splat(0.0f);
+      for (int c = 0; c < NV; ++c) acc[r][c] = splat(0.0f);
     }
     for (int64_t x = 0; x < kDim; ++x) {
-      vf k[4];
-      for (int c = 0; c < 4; ++c) k[c] = load(keys + x * kKeys + c * W);
+      vf k[NV];
+      for (int c = 0; c < NV; ++c) k[c] = load(keys + x * kKeys + c * W);
       for (int r = 0; r < R; ++r) {
         const vf qx = splat(qf[(r0 + r) * kDim + x]);
-        for (int c = 0; c < 4; ++c) acc[r][c] += qx * k[c];
+        for (int c = 0; c < NV; ++c) acc[r][c] += qx * k[c];
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 4; ++c) store(s + (r0 + r) * kKeys + c * W, acc[r][c]);
+      for (int c = 0; c < NV; ++c) s[r][c] = acc[r][c];
     }
   }
 }
 
-// o[r] = o[r] * alpha[r] + p[r] . values for rows [r0, r0 + R), over the block's first n keys.
-// p is bfloat16 [rows][kKeys] where pairs(), float32 otherwise.
-template <typename scalar_t, int64_t kDim, int R>
-inline void accumulate(
-    const void* p, const float* values, const float* alpha, int64_t r0, int64_t n, float* o) {
-  constexpr int64_t V = kDim / W;
-  if constexpr (pairs<scalar_t>()) {
-#ifdef __AVX512BF16__
-    __m512 acc[R][V];
-    const uint32_t* pr[R];
-    for (int r = 0; r < R; ++r) {
-      pr[r] = static_cast<const uint32_t*>(p) + (r0 + r) * (kKeys / 2);
-      const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-      for (int64_t x = 0; x < V; ++x) {
-        acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * kDim + x * W), a);
-      }
-    }
-    const auto* vp = reinterpret_cast<const uint32_t*>(values);
-    for (int64_t j = 0; j < (n + 1) / 2; ++j) {
-      __m512bh v[V];
-      for (int64_t x = 0; x < V; ++x) v[x] = (__m512bh)_mm512_loadu_si512(vp + j * kDim + x * W);
-      for (int r = 0; r < R; ++r) {
-        const auto pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pr[r][j]));
-        for (int64_t x = 0; x < V; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pb, v[x]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int64_t x = 0; x < V; ++x) _mm512_storeu_ps(o + (r0 + r) * kDim + x * W, acc[r][x]);
-    }
-#endif
-  } else {
-    vf acc[R][V];
-    for (int r = 0; r < R; ++r) {
-      for (int64_t x = 0; x < V; ++x) acc[r][x] = load(o + (r0 + r) * kDim + x * W) * alpha[r0 + r];
-    }
-    const float* pf = static_cast<const float*>(p);
-    for (int64_t j = 0; j < n; ++j) {
-      vf v[V];
-      for (int64_t x = 0; x < V; ++x) v[x] = load(values + j * kDim + x * W);
-      for (int r = 0; r < R; ++r) {
-        const vf w = splat(pf[(r0 + r) * kKeys + j]);
-        for (int64_t x = 0; x < V; ++x) acc[r][x] += w * v[x];
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int64_t x = 0; x < V; ++x) store(o + (r0 + r) * kDim + x * W, acc[r][x]);
-    }
-  }
-}
-
-// The online softmax step of one row over a key block starting at key k0: masks keys past `pos`
-// (and at or before pos - window) where `masked`, updates the row's max m and sum l, leaves
-// the rescale factor of its earlier output in alpha, and writes the probabilities: bfloat16
-// into p_half where pairs(), else float32 over the scores.
-template <typename scalar_t>
-inline void softmax_step(
-    float* s, int64_t k0, int64_t pos, int64_t window, bool masked, float& m, float& l,
-    float& alpha, c10::BFloat16* p_half) {
-  const vi lanes{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vi newest = vi{} + static_cast<int32_t>(pos);
-  const vi oldest = vi{} + static_cast<int32_t>(window > 0 ? pos - window : -1);
-  vf v[4];
-  for (int c = 0; c < 4; ++c) {
-    v[c] = load(s + c * W);
-    if (masked) {
+// The online softmax step of one row over NV vectors of scores of a key block starting at key
+// k0: masks keys past `pos` (and at or before pos - window) where `masked`, updates the row's
+// max m and sum l, returns the rescale factor of its earlier output, and writes the
+// probabilities to p: bfloat16 where pairs() (as the eager bfloat16 attention rounds them),
+// else float32.
+template <typename scalar_t, int NV>
+inline float softmax_step(
+    vf (&v)[4], int64_t k0, int64_t pos, int64_t window, bool masked, float& m, float& l,
+    float* p) {
+  if (masked) {
+    const vi lanes{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi newest = vi{} + static_cast<int32_t>(pos);
+    const vi oldest = vi{} + static_cast<int32_t>(window > 0 ? pos - window : -1);
+    for (int c = 0; c < NV; ++c) {
       const vi key = lanes + static_cast<int32_t>(k0 + c * W);
       v[c] = (key <= newest) & (key > oldest) ? v[c] : splat(-INFINITY);
     }
   }
   vf top = v[0];
-  for (int c = 1; c < 4; ++c) top = v[c] > top ? v[c] : top;
+  for (int c = 1; c < NV; ++c) top = v[c] > top ? v[c] : top;
   const float m_new = std::max(m, hmax(top));
+  float alpha = 1.0f;
   if (m_new == -INFINITY) {  // no key of this row yet
-    alpha = 1.0f;
-    for (int c = 0; c < 4; ++c) v[c] = splat(0.0f);
+    for (int c = 0; c < NV; ++c) v[c] = splat(0.0f);
   } else {
     alpha = m == -INFINITY ? 0.0f : std::exp(m - m_new);
     vf sum = splat(0.0f);
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NV; ++c) {
       v[c] = v[c] == splat(-INFINITY) ? splat(0.0f) : vexp(v[c] - m_new);
       sum += v[c];
     }
     l = l * alpha + hsum(sum);
     m = m_new;
   }
-  for (int c = 0; c < 4; ++c) {
-    if constexpr (pairs<scalar_t>()) {
-      store16(p_half + c * W, v[c]);
-    } else {
-      store(s + c * W, v[c]);
+  if constexpr (pairs<scalar_t>()) {
+#ifdef __AVX512BF16__
+    for (int c = 0; c < NV; c += 2) {
+      const __m512 hi = c + 1 < NV ? (__m512)v[c + 1] : _mm512_setzero_ps();
+      _mm512_storeu_si512(p + c * W / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, (__m512)v[c]));
+    }
+#endif
+  } else {
+    for (int c = 0; c < NV; ++c) store(p + c * W, v[c]);
+  }
+  return alpha;
+}
+
+// o[r] = o[r] * alpha[r] + p[r] . values for R rows of outputs (`o` the first), over the
+// first n keys of a block: dims [x0, x0 + X) of the head. p's rows are kKeys floats apart and
+// hold bfloat16 probabilities where pairs(), float32 otherwise.
+template <typename scalar_t, int64_t kDim, int R, int X>
+inline void accumulate(
+    const float* p, const float* values, const float (&alpha)[R], int64_t n, int64_t x0,
+    float* o) {
+  if constexpr (pairs<scalar_t>()) {
+#ifdef __AVX512BF16__
+    __m512 acc[R][X];
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(alpha[r]);
+      for (int x = 0; x < X; ++x) {
+        acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + r * kDim + x0 + x * W), a);
+      }
+    }
+    const auto* vp = reinterpret_cast<const uint32_t*>(values) + x0;
+    const auto* pp = reinterpret_cast<const uint32_t*>(p);
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {
+      __m512bh v[X];
+      for (int x = 0; x < X; ++x) v[x] = (__m512bh)_mm512_loadu_si512(vp + j * kDim + x * W);
+      for (int r = 0; r < R; ++r) {
+        const auto pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * kKeys + j]));
+        for (int x = 0; x < X; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pb, v[x]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int x = 0; x < X; ++x) _mm512_storeu_ps(o + r * kDim + x0 + x * W, acc[r][x]);
+    }
+#endif
+  } else {
+    vf acc[R][X];
+    for (int r = 0; r < R; ++r) {
+      for (int x = 0; x < X; ++x) acc[r][x] = load(o + r * kDim + x0 + x * W) * alpha[r];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      vf v[X];
+      for (int x = 0; x < X; ++x) v[x] = load(values + j * kDim + x0 + x * W);
+      for (int r = 0; r < R; ++r) {
+        const vf w = splat(p[r * kKeys + j]);
+        for (int x = 0; x < X; ++x) acc[r][x] += w * v[x];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int x = 0; x < X; ++x) store(o + r * kDim + x0 + x * W, acc[r][x]);
     }
   }
+}
+
+// What one work item keeps across its key blocks.
+struct State {
+  float* o;  // [rows][dim] float32 outputs, not yet divided by l
+  float* m;  // [rows] running max of each row's scores
+  float* l;  // [rows] running sum of each row's exp(score - m)
+};
+
+// One key block (first n keys of the packed tiles, starting at key k0) for rows [r0, r0 + R):
+// scores, softmax and values in one pass, the scores in registers. Only the first NV vectors
+// of keys are computed: on a block that crosses the rows' positions the later ones are masked.
+template <typename scalar_t, int64_t kDim, int R, int NV>
+inline void row_group(
+    const Rows<scalar_t>& rows, const float* qf, int64_t r0, const float* keys,
+    const float* values, int64_t k0, int64_t n, int64_t first_pos, int64_t window, bool masked,
+    float scale, const State& st) {
+  vf s[R][4];
+  scores<scalar_t, kDim, R, NV>(rows, qf, r0, keys, scale, s);
+  alignas(64) float p[R * kKeys];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    alpha[r] = softmax_step<scalar_t, NV>(s[r], k0, first_pos + row / rows.group, window, masked,
+                                          st.m[row], st.l[row], p + r * kKeys);
+  }
+  const int64_t keys_used = std::min<int64_t>(n, NV * W);
+  constexpr int X = std::min<int>(4, kDim / W);
+  for (int64_t x0 = 0; x0 < kDim; x0 += X * W) {
+    accumulate<scalar_t, kDim, R, X>(p, values, alpha, keys_used, x0, st.o + r0 * kDim);
+  }
+}
+
+// row_group for the number of key vectors the group reaches (1 to 4).
+template <typename scalar_t, int64_t kDim, int R>
+inline void row_group_of(
+    int nv, const Rows<scalar_t>& rows, const float* qf, int64_t r0, const float* keys,
+    const float* values, int64_t k0, int64_t n, int64_t first_pos, int64_t window, bool masked,
+    float scale, const State& st) {
+#define SPLITSERVE_ROW_GROUP(NV)                                                            \
+  row_group<scalar_t, kDim, R, NV>(rows, qf, r0, keys, values, k0, n, first_pos, window, \
+                                   masked, scale, st)
+  switch (nv) {
+    case 1:
+      SPLITSERVE_ROW_GROUP(1);
+      break;
+    case 2:
+      SPLITSERVE_ROW_GROUP(2);
+      break;
+    case 3:
+      SPLITSERVE_ROW_GROUP(3);
+      break;
+    default:
+      SPLITSERVE_ROW_GROUP(4);
+  }
+#undef SPLITSERVE_ROW_GROUP
 }
 
 template <typename scalar_t, int64_t kDim>
@@ -282,51 +341,43 @@ void attend(
                           g.heads * kDim, kDim};
   float* keys = scratch.floats(0, kKeys * kDim);
   float* values = scratch.floats(1, kKeys * kDim);
-  float* s = scratch.floats(2, rows * kKeys);
-  float* o = scratch.floats(3, rows * kDim + 3 * rows);
-  float* m = o + rows * kDim;
-  float* l = m + rows;
-  float* alpha = l + rows;
+  float* o = scratch.floats(2, rows * kDim + 2 * rows);
+  const State st{o, o + rows * kDim, o + rows * kDim + rows};
   float* qf = nullptr;
-  c10::BFloat16* p_half = nullptr;
-  if constexpr (pairs<scalar_t>()) {
-    p_half = reinterpret_cast<c10::BFloat16*>(scratch.floats(4, rows * kKeys / 2));
-  } else {
-    qf = scratch.floats(4, rows * kDim);
+  if constexpr (!pairs<scalar_t>()) {
+    qf = scratch.floats(3, rows * kDim);
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* src = rr.q + rr.offset(r);
       for (int64_t x = 0; x < kDim; x += W) store(qf + r * kDim + x, load16(src + x) * scale);
     }
   }
-  std::fill(o, o + rows * kDim, 0.0f);
-  std::fill(m, m + rows, -INFINITY);
-  std::fill(l, l + rows, 0.0f);
+  std::fill(st.o, st.o + rows * kDim, 0.0f);
+  std::fill(st.m, st.m + rows, -INFINITY);
+  std::fill(st.l, st.l + rows, 0.0f);
   const int64_t first_pos = ctx + it.first;  // positions of the tile's first and last tokens
   const int64_t last_pos = first_pos + it.count - 1;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
   for (int64_t k0 = lo / kKeys * kKeys; k0 <= last_pos; k0 += kKeys) {
     const int64_t n = std::min(kKeys, last_pos + 1 - k0);
     pack_block<scalar_t, kDim>(layer, table, it.kv_head, k0, n, g, keys, values);
-    int64_t r = 0;
-    for (; r + kScoreRows <= rows; r += kScoreRows) {
-      scores<scalar_t, kDim, kScoreRows>(rr, qf, r, keys, scale, s);
-    }
-    for (; r < rows; ++r) scores<scalar_t, kDim, 1>(rr, qf, r, keys, scale, s);
     const bool masked = k0 + kKeys - 1 > first_pos || (window > 0 && k0 <= last_pos - window);
-    for (r = 0; r < rows; ++r) {
-      softmax_step<scalar_t>(s + r * kKeys, k0, first_pos + r / g.group, window, masked, m[r],
-                             l[r], alpha[r], p_half ? p_half + r * kKeys : nullptr);
-    }
-    const void* p = pairs<scalar_t>() ? static_cast<const void*>(p_half) : s;
-    for (r = 0; r + kValueRows<kDim> <= rows; r += kValueRows<kDim>) {
-      accumulate<scalar_t, kDim, kValueRows<kDim>>(p, values, alpha, r, n, o);
-    }
-    for (; r < rows; ++r) accumulate<scalar_t, kDim, 1>(p, values, alpha, r, n, o);
+    const auto group = [&](auto r_tag, int64_t r0) {
+      constexpr int R = decltype(r_tag)::value;
+      // Keys this group reaches: up to its last row's position.
+      const int64_t reach = std::min(n, first_pos + (r0 + R - 1) / g.group + 1 - k0);
+      if (reach <= 0) return;  // every key of the block is past every row of the group
+      const int nv = static_cast<int>((reach + W - 1) / W);
+      row_group_of<scalar_t, kDim, R>(nv, rr, qf, r0, keys, values, k0, n, first_pos, window,
+                                      masked, scale, st);
+    };
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) group(std::integral_constant<int, kRows>{}, r);
+    for (; r < rows; ++r) group(std::integral_constant<int, 1>{}, r);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float inv = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;
     scalar_t* dst = rr.out + rr.offset(r);
-    for (int64_t x = 0; x < kDim; x += W) store16(dst + x, load(o + r * kDim + x) * inv);
+    for (int64_t x = 0; x < kDim; x += W) store16(dst + x, load(st.o + r * kDim + x) * inv);
   }
 }
 
