@@ -5,16 +5,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
+
+import pytest
 
 from splitserve.model.tiny import tiny_config
 from splitserve_tools.cli import main as cli_main
 from splitserve_tools.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
 from splitserve_tools.planner.gpu_model import H200, modelled_profile
 from splitserve_tools.planner.measure import Points
-from splitserve_tools.planner.profile import ModelShape, Profile, ServingOverhead, UnitProfile
+from splitserve_tools.planner.profile import (
+    Contention,
+    ModelShape,
+    Profile,
+    ServingOverhead,
+    UnitProfile,
+    with_costs_of,
+)
 
 
 def synthetic_profile(
@@ -94,6 +104,28 @@ def test_profile_pinned_to_one_core(tmp_path: Path) -> None:
     cli_main(["plan", "profile", *args])
     profile = Profile.load(out)
     assert list(profile.units) == [1] and profile.units[1].threads == 1
+    # A calibrated profile of this machine lends its serving costs to a new profile.
+    costs = ServingOverhead(4e-4, 2e-3, 1.2, 1.3)
+    calibrated = dataclasses.replace(profile, serving=costs, contention=Contention(0.1, 0.2))
+    calibrated_path = tmp_path / "calibrated.json"
+    calibrated.save(calibrated_path)
+    again = tmp_path / "again.json"
+    cli_main(["plan", "profile", *args[:-1], str(again), "--costs-from", str(calibrated_path)])
+    got = Profile.load(again)
+    assert got.serving == costs and got.contention == Contention(0.1, 0.2)
+
+
+def test_costs_come_only_from_a_profile_of_the_same_machine() -> None:
+    mine = synthetic_profile()
+    other = dataclasses.replace(
+        synthetic_profile(serving=ServingOverhead(1e-3)), contention=Contention(0.3, 0.1)
+    )
+    moved = with_costs_of(mine, other)
+    assert moved.serving == other.serving and moved.contention == other.contention
+    assert moved.units == mine.units
+    elsewhere = dataclasses.replace(other, hardware={"cpu": "else", "cpu_id": {"model": "1"}})
+    with pytest.raises(ValueError, match="another machine"):
+        with_costs_of(mine, elsewhere)
 
 
 def test_points_context_holds_the_longest_prompt_and_its_output() -> None:

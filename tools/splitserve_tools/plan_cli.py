@@ -27,7 +27,7 @@ def cmd_plan_profile(args: argparse.Namespace) -> None:
 
     from splitserve_tools.planner.commands import QUICK_POINTS, build_profile, profile_lines
     from splitserve_tools.planner.measure import Points
-    from splitserve_tools.planner.profile import ServingOverhead
+    from splitserve_tools.planner.profile import Profile, ServingOverhead, with_costs_of
 
     points = QUICK_POINTS if args.quick else Points()
     given = {
@@ -49,6 +49,9 @@ def cmd_plan_profile(args: argparse.Namespace) -> None:
         serving=ServingOverhead(args.token_overhead_ms / 1e3, args.request_overhead_ms / 1e3),
         progress=not args.no_progress,
     )
+    if args.costs_from is not None:
+        profile = with_costs_of(profile, Profile.load(args.costs_from))
+        print(f"serving costs and contention from {args.costs_from}")
     profile.save(args.out)
     print("\n".join(profile_lines(profile)))
     print(f"wrote {args.out}")
@@ -244,6 +247,12 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         "on the 2-core machine, BENCHMARKS.md)",
     )
     p.add_argument("--request-overhead-ms", type=float, default=0.0)
+    p.add_argument(
+        "--costs-from",
+        type=Path,
+        help="a calibrated profile (`plan calibrate`) of another model on this machine: take its "
+        "serving costs and contention instead of --token/--request-overhead-ms",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_plan_profile)
 

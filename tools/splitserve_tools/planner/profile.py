@@ -8,7 +8,7 @@ instead of measured; every report shows it.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +172,18 @@ class Profile:
     @classmethod
     def load(cls, path: Path) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def with_costs_of(profile: Profile, calibrated: Profile) -> Profile:
+    """``profile`` with the serving costs and contention of ``calibrated``, a calibrated profile
+    of another model on the same machine: those costs belong to the server and the machine more
+    than to the model. Refused where the two profiles name different CPUs or devices."""
+    if (profile.device, profile.hardware.get("cpu_id")) != (
+        calibrated.device,
+        calibrated.hardware.get("cpu_id"),
+    ):
+        raise ValueError(
+            "the calibrated profile is of another machine "
+            f"({calibrated.hardware.get('cpu')} vs {profile.hardware.get('cpu')})"
+        )
+    return replace(profile, serving=calibrated.serving, contention=calibrated.contention)
