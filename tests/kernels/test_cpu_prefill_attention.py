@@ -120,3 +120,13 @@ def test_falls_back_to_the_reference_when_turned_off(monkeypatch):
     monkeypatch.setattr(cpu, "extension", lambda: None)
     got = kernels.paged_prefill_attention(q, cache, 0, tables, cu_q, cu_k, 0.3)
     torch.testing.assert_close(got, reference(q, cache, 0, tables, cu_q, cu_k, 0.3))
+
+
+def test_bad_bounds_are_refused_not_read():
+    q, cache, tables, cu_q, cu_k = _case(6, 2, torch.float32, [20], cached=[10])
+    with pytest.raises(RuntimeError, match="block table"):
+        cpu.paged_prefill_attention(q, cache, 0, [tables[0][:1]], cu_q, cu_k, 0.5)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.paged_prefill_attention(q, cache, 0, [tables[0] + 1000], cu_q, cu_k, 0.5)
+    with pytest.raises(RuntimeError, match="queries"):
+        cpu.paged_prefill_attention(q, cache, 0, tables, cu_q, [0, 5], 0.5)

@@ -449,12 +449,26 @@ torch::Tensor paged_prefill_attention(
   auto cu_q = cu_seqlens_q.to(torch::kLong).contiguous();
   auto cu_k = cu_seqlens_k.to(torch::kLong).contiguous();
   TORCH_CHECK(cu_q.numel() == seqs + 1 && cu_k.numel() == seqs + 1, "one table per sequence");
+  const int64_t* q_bounds = cu_q.data_ptr<int64_t>();
+  const int64_t* k_bounds = cu_k.data_ptr<int64_t>();
   std::vector<torch::Tensor> held;
   std::vector<const int64_t*> tables;
-  for (const auto& t : block_tables) {
-    held.push_back(t.to(torch::kLong).contiguous());
-    tables.push_back(held.back().data_ptr<int64_t>());
+  for (int64_t i = 0; i < seqs; ++i) {
+    held.push_back(block_tables[i].to(torch::kLong).contiguous());
+    const torch::Tensor& table = held.back();
+    const int64_t n_q = q_bounds[i + 1] - q_bounds[i], n_k = k_bounds[i + 1] - k_bounds[i];
+    TORCH_CHECK(0 <= n_q && n_q <= n_k, "sequence ", i, ": ", n_q, " queries, ", n_k, " keys");
+    TORCH_CHECK(table.numel() * cache.size(3) >= n_k, "sequence ", i, ": ", n_k,
+                " keys, block table of ", table.numel());
+    const int64_t used = (n_k + cache.size(3) - 1) / cache.size(3);
+    const int64_t* ids = table.data_ptr<int64_t>();
+    for (int64_t b = 0; b < used; ++b) {
+      TORCH_CHECK(0 <= ids[b] && ids[b] < cache.size(1), "block id ", ids[b], " out of range");
+    }
+    tables.push_back(ids);
   }
+  TORCH_CHECK(q_bounds[seqs] == q.size(0), "cu_seqlens_q ends at ", q_bounds[seqs], ", not ",
+              q.size(0));
   auto qc = q.contiguous();
   auto out = torch::empty_like(qc);
   const int64_t token_stride = kv_heads * dim;
@@ -467,7 +481,7 @@ torch::Tensor paged_prefill_attention(
                         : dim == 64 ? prefill_kernel<scalar_t, 64>
                                     : prefill_kernel<scalar_t, 128>;
     kernel(qc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), tables,
-           cu_q.data_ptr<int64_t>(), cu_k.data_ptr<int64_t>(), seqs, window,
+           q_bounds, k_bounds, seqs, window,
            static_cast<float>(scale), g);
   });
   return out;
