@@ -42,7 +42,7 @@ _SOURCES = [
         "fp8.cpp",
     )
 ]
-_HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h"]
+_HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h", _HERE / "scratch.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What the kernels take; other dtypes use the references."""

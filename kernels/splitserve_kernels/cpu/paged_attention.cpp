@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "scratch.h"
 #include "vec.h"
 
 using namespace splitserve;
@@ -221,19 +222,7 @@ inline void accumulate_heads(
   }
 }
 
-// Per-thread scratch, 64-byte aligned (a vector of vf): loads and stores of whole vectors never
-// straddle cache lines.
-class Scratch {
- public:
-  float* floats(size_t i, int64_t n) {
-    auto& buf = bufs_[i];
-    buf.resize((n + W - 1) / W);
-    return reinterpret_cast<float*>(buf.data());
-  }
-
- private:
-  std::vector<vf> bufs_[3];
-};
+using Scratch = splitserve::Scratch<3>;
 
 // exp(s - max) / sum over s[0, n), in place.
 inline void softmax(float* s, int64_t n) {

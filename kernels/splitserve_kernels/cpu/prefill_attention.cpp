@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "scratch.h"
 #include "vec.h"
 
 using namespace splitserve;
@@ -58,18 +59,7 @@ struct Item {
   int64_t seq, kv_head, first, count;  // new tokens [first, first + count) of the sequence
 };
 
-// 64-byte aligned scratch of one thread.
-class Scratch {
- public:
-  float* floats(size_t i, int64_t n) {
-    auto& buf = bufs_[i];
-    buf.resize((n + W - 1) / W);
-    return reinterpret_cast<float*>(buf.data());
-  }
-
- private:
-  std::vector<vf> bufs_[6];
-};
+using Scratch = splitserve::Scratch<4>;
 
 // The rows of one work item and where they live: row r is token r / group of the tile, query
 // head kv_head * group + r % group.
