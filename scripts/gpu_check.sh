@@ -33,14 +33,37 @@ step() { # step NAME TIMEOUT_S COMMAND...: run it, its output into the log, its 
     rm -f "$OUT/.step"
 }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/splitserve-site .whl/*.whl >>"$LOG" 2>&1; then
-        export PYTHONPATH="/tmp/splitserve-site:$PYTHONPATH"
+SITE=/tmp/splitserve-site
+NUMPY1=/tmp/splitserve-numpy1
+install_wheels() { # install_wheels TARGET WHEEL...
+    local target=$1
+    shift
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$target" "$@" >>"$LOG" 2>&1
+}
+WHEELS=$(compgen -G ".whl/*.whl" | grep -v '/numpy-' || true)
+if [ -n "$WHEELS" ]; then
+    # shellcheck disable=SC2086
+    if install_wheels "$SITE" $WHEELS; then
+        export PYTHONPATH="$SITE:$PYTHONPATH"
         record "wheels from .whl/" "installed $(ls .whl | tr '\n' ' ')"
     else
         record "wheels from .whl/" "FAILED to install (see gpu_check.log)"
     fi
+fi
+# The Python backend's stub mangles BYTES tensors under numpy 2 and ignores PYTHONPATH: it takes
+# python3 from PATH and that venv's site-packages. The end-to-end step therefore runs from a venv
+# of its own whose .pth puts numpy < 2 (a carried wheel), the wheels and the repo ahead of the
+# image's site-packages.
+E2E_PY="$PY"
+if compgen -G ".whl/numpy-1*.whl" >/dev/null && install_wheels "$NUMPY1" .whl/numpy-1*.whl &&
+    "$PY" -m venv --without-pip /tmp/splitserve-venv >>"$LOG" 2>&1; then
+    base_site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    venv_site=$(/tmp/splitserve-venv/bin/python -c \
+        'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    printf '%s\n' "$NUMPY1" "$SITE" "$PWD/backends" "$PWD/client" "$PWD/kernels" \
+        "import site; site.addsitedir('$base_site')" >"$venv_site/splitserve.pth"
+    E2E_PY=/tmp/splitserve-venv/bin/python
 fi
 "$PY" -c "import zmq" 2>/dev/null ||
     record "pyzmq" "MISSING: run scripts/gpu/fetch_wheels.sh where pip works, carry .whl/"
@@ -51,15 +74,19 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.c
 for i in range(torch.cuda.device_count()):
     print(i, torch.cuda.get_device_name(i))
 PYEOF
+"$E2E_PY" -c "import numpy; print('end-to-end venv: numpy', numpy.__version__)" >>"$LOG" 2>&1
+lscpu | grep -E 'Model name|^CPU\(s\)' >>"$LOG" 2>&1
 CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-step "pytest: kernels, cuda_ipc, GPU layouts" 420 "$PY" -m pytest -q -rs -p no:cacheprovider \
-    tests/kernels tests/transport/test_cuda_ipc.py tests/transport/test_cuda_ipc_processes.py \
-    tests/unit/test_render_gpu.py
+step "pytest: GPU kernels, engine vs transformers, cuda_ipc, GPU layouts" 300 \
+    "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
+    tests/kernels/test_gpu_engine.py tests/kernels/test_fp8.py \
+    tests/kernels/test_attention_reference.py tests/transport/test_cuda_ipc.py \
+    tests/transport/test_cuda_ipc_processes.py tests/unit/test_render_gpu.py
 
 if [ "$CUDA" = 1 ]; then
-    step "handoff benchmark" 240 "$PY" scripts/gpu/bench_handoff.py --out "$OUT/handoff.json"
-    step "decode benchmark" 420 "$PY" scripts/gpu/bench_decode.py --out "$OUT/decode.json"
+    step "handoff benchmark" 120 "$PY" scripts/gpu/bench_handoff.py --out "$OUT/handoff.json"
+    step "decode benchmark" 180 "$PY" scripts/gpu/bench_decode.py --out "$OUT/decode.json"
 else
     record "handoff benchmark" "skipped: no CUDA device"
     record "decode benchmark" "skipped: no CUDA device"
@@ -67,8 +94,8 @@ fi
 
 if [ "$CUDA" != 1 ]; then
     record "Triton GPU layout end to end" "skipped: no CUDA device"
-elif [ -x /opt/tritonserver/bin/tritonserver ] || "$PY" -c "import pytriton" 2>/dev/null; then
-    step "Triton GPU layout end to end" 300 "$PY" scripts/gpu/e2e_triton.py --out "$OUT/e2e.json"
+elif [ -x /opt/tritonserver/bin/tritonserver ] || "$E2E_PY" -c "import pytriton" 2>/dev/null; then
+    step "Triton GPU layout end to end" 180 "$E2E_PY" scripts/gpu/e2e_triton.py --out "$OUT/e2e.json"
 else
     record "Triton GPU layout end to end" \
         "skipped: no tritonserver binary here (run in the NGC image, docs/gpu.md)"
