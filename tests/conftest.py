@@ -21,6 +21,10 @@ if not torch.cuda.is_available():
     # imports triton: here, the first conftest pytest loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests never read or fill the user's profile cache, and a profile one test caches must not turn
+# another test's `splitserve serve` into the planner's choice: off unless a test sets its own.
+os.environ["SPLITSERVE_PROFILE_CACHE"] = "none"
+
 
 @pytest.fixture(scope="session")
 def llama32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

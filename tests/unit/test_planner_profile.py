@@ -14,6 +14,7 @@ import pytest
 
 from splitserve.model.tiny import tiny_config
 from splitserve_tools.cli import main as cli_main
+from splitserve_tools.planner import profile_cache
 from splitserve_tools.planner.fit import DecodeFit, DecodeRange, HandoffFit, PrefillFit
 from splitserve_tools.planner.gpu_model import H200, modelled_profile
 from splitserve_tools.planner.measure import Points
@@ -71,10 +72,15 @@ def test_modelled_h200_profile_is_labelled_and_sane() -> None:
     assert unit.prefill(4096, 4096**2) > unit.prefill(128, 128**2)
 
 
-def test_quick_profile_of_tiny_through_the_cli(tmp_path: Path) -> None:
+def test_quick_profile_of_tiny_through_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "tiny.json"
+    monkeypatch.setenv("SPLITSERVE_PROFILE_CACHE", str(tmp_path / "cache"))
     cli_main(["plan", "profile", "--model", "tiny", "--quick", "--no-progress", "--out", str(out)])
     profile = Profile.load(out)
+    cached, _ = profile_cache.lookup("tiny", "float32", "cpu")
+    assert cached is not None and Profile.load(cached) == profile  # where `serve` plans from
     assert not profile.modelled and profile.device == "cpu"
     assert list(profile.units) == [len(os.sched_getaffinity(0))]
     unit = next(iter(profile.units.values()))

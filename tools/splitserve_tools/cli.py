@@ -1,5 +1,6 @@
 """The ``splitserve`` command: the runtime's ``serve`` and ``openai``, the client's ``generate``,
-and the tools' ``bench`` and ``plan``."""
+and the tools' ``bench`` and ``plan``; ``serve`` without placement flags takes the planner's
+choice (``serve_choice``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from splitserve.cli import add_runtime_parsers
 from splitserve_client.generate_cli import add_generate_parser
 from splitserve_tools.bench.bench_cli import add_bench_parser
 from splitserve_tools.plan_cli import add_plan_parsers
+from splitserve_tools.serve_choice import add_choice_arguments, choose
 
 
 def parser() -> argparse.ArgumentParser:
@@ -18,6 +20,7 @@ def parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True)
     add_runtime_parsers(sub)
+    add_choice_arguments(sub.choices["serve"])
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_plan_parsers(sub)
@@ -27,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    if args.command == "serve":
+        choose(args)
     args.func(args)
 
 

@@ -55,6 +55,20 @@ def cmd_plan_profile(args: argparse.Namespace) -> None:
     profile.save(args.out)
     print("\n".join(profile_lines(profile)))
     print(f"wrote {args.out}")
+    _cache(profile)
+
+
+def _cache(profile: Any) -> None:
+    """Keep a measured profile where ``splitserve serve`` plans from."""
+    from splitserve_tools.planner import profile_cache
+
+    try:
+        path = profile_cache.store(profile, profile.model)
+    except (OSError, ValueError) as exc:
+        print(f"not cached for `splitserve serve`: {exc}")
+        return
+    if path is not None:
+        print(f"cached for `splitserve serve` (it plans from this without placement flags): {path}")
 
 
 def cmd_plan_calibrate(args: argparse.Namespace) -> None:
@@ -79,6 +93,7 @@ def cmd_plan_calibrate(args: argparse.Namespace) -> None:
     calibrated.save(args.out)
     print("\n".join(profile_lines(calibrated)))
     print(f"wrote {args.out}")
+    _cache(calibrated)
 
 
 def cmd_plan_search(args: argparse.Namespace) -> None:

@@ -1,7 +1,8 @@
 """``plan.json``: the chosen placement, what it was chosen for, and its deployment spec.
 
-CPU instances get contiguous core sets in role order (prefill, then decode; colocated from core
-0); GPU instances get one GPU each in the same order. The engine parameters every role shares
+CPU instances get consecutive core sets in role order (prefill, then decode; colocated from the
+first core) out of ``cores`` (default ``0..N-1``; ``serve`` plans onto the cores it may run on);
+GPU instances get one GPU each in the same order. The engine parameters every role shares
 (model, dtype, max_model_len, kv_cache_bytes) go to the spec's settings; the batching limits go
 to the settings of the role that reads them. ``splitserve serve --plan`` reads the
 ``deployment`` entry only.
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.deploy.spec import DeploymentSpec, RoleSpec
+from splitserve.serving.affinity import format_cores
 from splitserve_tools.planner.placement import Placement, Role
 
 FORMAT_VERSION = 1
@@ -30,6 +32,8 @@ class Plan:
     predicted_goodput_rps: float
     context: dict[str, Any] = field(default_factory=dict)
     """What the plan was searched for: workload, SLOs, profile summary, alternatives."""
+    cores: tuple[int, ...] | None = None
+    """CPU: the cores the placement's units take, in order; None: ``0..N-1``."""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "gpu"):
@@ -38,6 +42,9 @@ class Plan:
             raise ValueError(
                 "GPU instances span one GPU each (the engine has no tensor parallelism)"
             )
+        needed = sum(r.devices for r in self.placement.roles().values())
+        if self.cores is not None and len(self.cores) < needed:
+            raise ValueError(f"the placement takes {needed} cores, given {list(self.cores)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -49,6 +56,7 @@ class Plan:
             "placement": self.placement.to_dict(),
             "predicted_goodput_rps": self.predicted_goodput_rps,
             "context": self.context,
+            **({"cores": list(self.cores)} if self.cores is not None else {}),
             "deployment": self.to_spec().to_dict(),
         }
 
@@ -64,6 +72,7 @@ class Plan:
             placement=Placement.from_dict(d["placement"]),
             predicted_goodput_rps=float(d["predicted_goodput_rps"]),
             context=dict(d.get("context", {})),
+            cores=tuple(int(c) for c in d["cores"]) if "cores" in d else None,
         )
 
     def save(self, path: Path) -> None:
@@ -114,8 +123,9 @@ class Plan:
     def _spec(self, role: Role, start: int, settings: dict[str, Any]) -> RoleSpec:
         if self.device == "gpu":
             return RoleSpec(gpus=tuple(range(start, start + role.instances)), settings=settings)
+        cores = self.cores or tuple(range(start + role.devices))
         sets = []
         for i in range(role.instances):
             lo = start + i * role.units
-            sets.append(f"{lo}-{lo + role.units - 1}" if role.units > 1 else str(lo))
+            sets.append(format_cores(cores[lo : lo + role.units]))
         return RoleSpec(instances=role.instances, cpu_cores=";".join(sets), settings=settings)
