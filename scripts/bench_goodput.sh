@@ -50,7 +50,8 @@ cleanup
 trap - EXIT
 if [[ "${CEILING:-1}" != 0 ]]; then
     TOTAL="${CORES_TOTAL:-2}"
-    "$BIN/splitserve" plan profile --model "$CKPT" --device cpu --dtype "$DTYPE" \
+    # Its own profile, for the ceilings: not cached for `serve` (a calibrated one may be there).
+    SPLITSERVE_PROFILE_CACHE=none "$BIN/splitserve" plan profile --model "$CKPT" --device cpu --dtype "$DTYPE" \
         --cores "$(seq -s, 1 "$TOTAL")" --decode-batches 1,4,16,64,128,256 \
         --out "$OUT/profile.json" --no-progress
     "$BIN/splitserve" plan ceiling --profile "$OUT/profile.json" --cores "$TOTAL" \
