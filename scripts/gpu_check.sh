@@ -78,15 +78,15 @@ PYEOF
 lscpu | grep -E 'Model name|^CPU\(s\)' >>"$LOG" 2>&1
 CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-step "pytest: GPU kernels, engine vs transformers, cuda_ipc, GPU layouts" 300 \
+step "pytest: GPU kernels, engine vs transformers, cuda_ipc, GPU layouts" 240 \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
     tests/kernels/test_gpu_engine.py tests/kernels/test_fp8.py \
     tests/kernels/test_attention_reference.py tests/transport/test_cuda_ipc.py \
     tests/transport/test_cuda_ipc_processes.py tests/unit/test_render_gpu.py
 
 if [ "$CUDA" = 1 ]; then
-    step "handoff benchmark" 120 "$PY" scripts/gpu/bench_handoff.py --out "$OUT/handoff.json"
-    step "decode benchmark" 180 "$PY" scripts/gpu/bench_decode.py --out "$OUT/decode.json"
+    step "handoff benchmark" 90 "$PY" scripts/gpu/bench_handoff.py --out "$OUT/handoff.json"
+    step "decode benchmark" 120 "$PY" scripts/gpu/bench_decode.py --out "$OUT/decode.json"
 else
     record "handoff benchmark" "skipped: no CUDA device"
     record "decode benchmark" "skipped: no CUDA device"
@@ -95,7 +95,7 @@ fi
 if [ "$CUDA" != 1 ]; then
     record "Triton GPU layout end to end" "skipped: no CUDA device"
 elif [ -x /opt/tritonserver/bin/tritonserver ] || "$E2E_PY" -c "import pytriton" 2>/dev/null; then
-    step "Triton GPU layout end to end" 180 "$E2E_PY" scripts/gpu/e2e_triton.py --out "$OUT/e2e.json"
+    step "Triton GPU layout end to end" 120 "$E2E_PY" scripts/gpu/e2e_triton.py --out "$OUT/e2e.json"
 else
     record "Triton GPU layout end to end" \
         "skipped: no tritonserver binary here (run in the NGC image, docs/gpu.md)"

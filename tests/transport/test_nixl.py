@@ -166,6 +166,46 @@ def test_unreachable_owner_fails_within_the_metadata_timeout(owner):
         assert time.monotonic() - started < 2.0
 
 
+def new_owner() -> tuple[NixlTransport, KVPool]:
+    transport = NixlTransport(KEY, lease_ttl_s=10.0, read_margin_s=1.0, **LOOPBACK)
+    pool = transport.create_pool(LAYOUT, 4)
+    transport.register(pool)
+    return transport, pool
+
+
+def test_owners_gone_quiet_are_forgotten():
+    """A restarted prefill server is a new pool and agent: the reader must not keep the old
+    ones (one per restart). An owner unread for ``peer_idle_s`` is forgotten, and asked for its
+    metadata again if it comes back (a READ that failed forgets its owner at once:
+    test_nixl_processes.py)."""
+    with NixlTransport(KEY, read_margin_s=1.0, peer_idle_s=0.2, **LOOPBACK) as rd:
+        dst = KVPool(LAYOUT, 4)
+        rd.register(dst)
+        first, first_pool = new_owner()
+        second, second_pool = new_owner()
+        try:
+
+            def read(owner: NixlTransport, pool: KVPool, slot: int) -> None:
+                handle = owner.export(f"r{slot}", pool.allocator.allocate(1), 1)
+                rd.fetch(handle, [slot])
+                rd.release(handle)
+
+            read(first, first_pool, 0)
+            assert rd.stats()["peers"] == 1
+            time.sleep(0.3)
+            read(second, second_pool, 1)
+            assert rd.stats()["peers"] == 1  # the quiet first owner was forgotten
+            read(second, second_pool, 2)
+            time.sleep(0.3)
+            read(first, first_pool, 3)  # back: its metadata asked again
+            assert first.stats()["metadata_answered"] == 2
+            assert second.stats()["metadata_answered"] == 1
+            assert rd.stats()["peers"] == 1  # and the second, quiet since, forgotten
+        finally:
+            first.close()
+            second.close()
+
+
 def test_owner_can_fetch_its_own_handles(owner):
     own, src = owner
     ids = src.allocator.allocate(4)

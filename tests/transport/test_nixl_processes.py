@@ -139,6 +139,8 @@ def test_owner_killed_during_an_abandoned_read_returns_its_blocks(owner):
             rd.fetch(handle, dst)
         os.kill(owner.pid, signal.SIGKILL)
         owner.proc.join(10)
-        # The failed READ settles (NIXL reports the disconnect) and its blocks come back.
+        # The failed READ settles (NIXL reports the disconnect) and its blocks come back; the
+        # dead owner's remote agent is dropped with it.
         wait_for(lambda: rd.reap() == 0)
         assert pool.allocator.num_free == BLOCKS - 1
+        assert rd.stats()["peers"] == 0

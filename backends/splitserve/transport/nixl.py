@@ -168,6 +168,7 @@ def descriptor_table(
 class _Abandoned:
     xfer: Any
     block_ids: list[int]
+    agent: str
 
 
 class NixlTransport(LeasedTransport):
@@ -183,10 +184,13 @@ class NixlTransport(LeasedTransport):
         transfer_timeout_s: float = 10.0,
         metadata_timeout_s: float = 5.0,
         transfer_dtype: str = "auto",
+        peer_idle_s: float = 300.0,
         **options: Any,
     ) -> None:
         if transfer_timeout_s <= 0 or metadata_timeout_s <= 0:
             raise ValueError("transfer and metadata timeouts must be positive")
+        if peer_idle_s <= 0:
+            raise ValueError("peer_idle_s must be positive")
         if transfer_dtype not in TRANSFER_DTYPES:
             raise ValueError(f"transfer_dtype must be one of {TRANSFER_DTYPES}: {transfer_dtype!r}")
         super().__init__(key, **options)
@@ -194,6 +198,7 @@ class NixlTransport(LeasedTransport):
         self._transfer_timeout_s = transfer_timeout_s
         self._metadata_timeout_s = metadata_timeout_s
         self._transfer_dtype = transfer_dtype
+        self._peer_idle_s = peer_idle_s
         self._wire: _Wire | None = None
         """The own pool's fp8 copies: an owner's with ``transfer_dtype="fp8"``, a reader's from
         its first fp8 handle on."""
@@ -203,6 +208,10 @@ class NixlTransport(LeasedTransport):
         self._metadata: MetadataServer | None = None
         self._progress: _Progress | None = None
         self._peers: dict[bytes, PeerPool] = {}
+        self._peer_used: dict[bytes, float] = {}
+        """When each known owner pool was last read: an owner whose server restarted (a new
+        pool, a new agent) or went away is forgotten after ``peer_idle_s`` without reads, or
+        at once after a READ from it failed; a live one is asked for its metadata again."""
         self._abandoned: list[_Abandoned] = []
         self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
 
@@ -287,6 +296,10 @@ class NixlTransport(LeasedTransport):
         return self._metadata.address
 
     def _peer(self, h: KVHandle) -> PeerPool:
+        now = time.monotonic()
+        for pool_id, used in list(self._peer_used.items()):
+            if now - used > self._peer_idle_s and pool_id != h.pool_id:
+                self._forget(pool_id, "idle")
         peer = self._peers.get(h.pool_id)
         if peer is None:
             if not h.peer.startswith("tcp://"):
@@ -299,7 +312,22 @@ class NixlTransport(LeasedTransport):
             if added != peer.agent_name:
                 raise InvalidHandle(f"KV owner's metadata names agent {added!r}")
             self._peers[h.pool_id] = peer
+        self._peer_used[h.pool_id] = now
         return peer
+
+    def _forget(self, pool_id: bytes, why: str) -> None:
+        """Drop a known owner pool and its NIXL remote agent, unless a timed-out READ from it
+        has not settled yet (then at a later chance)."""
+        peer = self._peers.get(pool_id)
+        if peer is None or any(item.agent == peer.agent_name for item in self._abandoned):
+            return
+        del self._peers[pool_id]
+        self._peer_used.pop(pool_id, None)
+        try:
+            self._agent.remove_remote_agent(peer.agent_name)
+        except Exception:  # nixl's binding errors share no base class beyond Exception
+            log.warning("could not remove the NIXL agent %s", peer.agent_name, exc_info=True)
+        log.info("forgot the KV owner %s (%s)", peer.agent_name, why)
 
     def _copy_in(self, handle: KVHandle, dst_block_ids: list[int], layers: range) -> int:
         assert self._pool is not None  # fetch checked it
@@ -342,7 +370,11 @@ class NixlTransport(LeasedTransport):
              for _, base, size in regions]
         )  # fmt: skip
         self._notify(handle, PULL)
-        self._read(peer, local, remote, mem, dst_block_ids)
+        try:
+            self._read(peer, local, remote, mem, dst_block_ids)
+        except RuntimeError:
+            self._forget(handle.pool_id, "a READ from it failed")
+            raise
         if handle.encoding == "fp8":
             assert self._wire is not None
             ids = torch.tensor(dst_block_ids, dtype=torch.long)
@@ -389,7 +421,7 @@ class NixlTransport(LeasedTransport):
         while state == "PROC":
             if time.monotonic() > deadline:
                 self._counts["transfer_timeouts"] += 1
-                self._abandoned.append(_Abandoned(xfer, list(dst)))
+                self._abandoned.append(_Abandoned(xfer, list(dst), peer.agent_name))
                 raise BlocksStillWritten(
                     f"KV transfer from {peer.agent_name} did not finish within "
                     f"{self._transfer_timeout_s:g} s",
@@ -407,14 +439,20 @@ class NixlTransport(LeasedTransport):
         """Return the blocks of abandoned transfers that have settled; how many are still held.
         Runs on the reader's own thread (its allocator is not locked)."""
         assert self._pool is not None
-        held = []
+        held, failed = [], set()
         for item in self._abandoned:
-            if self._state(item.xfer) == "PROC":
+            state = self._state(item.xfer)
+            if state == "PROC":
                 held.append(item)
                 continue
+            if state != "DONE":
+                failed.add(item.agent)
             self._release_xfer(item.xfer)
             self._pool.allocator.free(item.block_ids)
         self._abandoned = held
+        for pool_id, peer in list(self._peers.items()):
+            if peer.agent_name in failed:
+                self._forget(pool_id, "a READ from it failed")
         return sum(len(item.block_ids) for item in held)
 
     def stats(self) -> dict[str, int]:
@@ -437,6 +475,7 @@ class NixlTransport(LeasedTransport):
         for peer in self._peers.values():
             self._agent.remove_remote_agent(peer.agent_name)
         self._peers.clear()
+        self._peer_used.clear()
         if self._wire is not None:
             self._wire.close()
             self._wire = None

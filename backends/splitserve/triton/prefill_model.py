@@ -104,13 +104,15 @@ class PrefillModel:
             )
 
     def _computing(self, reqs: list[Request]) -> ExitStack:
-        """The cores to itself for one pass, if it lends them to decode between passes; and
-        decode's too, while decode offers them."""
+        """The cores to itself for one pass of allocated ``reqs``, if it lends them to decode
+        between passes; and decode's too, while decode offers them (priced by the tokens the
+        pass computes: not the prefix the cache gave)."""
         stack = ExitStack()
         if self.core_lock is not None:
             stack.enter_context(self.core_lock.lend())
         if self.borrower is not None:
-            stack.enter_context(self.borrower.pass_(sum(len(r.prompt_ids) for r in reqs)))
+            computed = max(1, sum(len(r.prompt_ids) - r.num_computed for r in reqs))
+            stack.enter_context(self.borrower.pass_(computed))
         return stack
 
     def _gauges(self) -> dict[str, float]:
@@ -180,9 +182,16 @@ class PrefillModel:
     def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
         reqs = [r for _, r in batch]
         try:
-            first = self._timed(reqs, lambda: self.engine.prefill(reqs))
+            self.engine.allocate(reqs)  # frees what it took if it fails
         except Exception as exc:
             self._failed(batch, responses, exc)
+            return
+        try:
+            first = self._timed(reqs, lambda: self.engine.run(reqs))
+        except Exception as exc:
+            self._failed(batch, responses, exc)
+            for req in reqs:
+                self.engine.free(req)
             return
         self._answer(batch, first, set(), responses)
 
