@@ -46,7 +46,7 @@ if [ -n "$WHEELS" ]; then
     # shellcheck disable=SC2086
     if install_wheels "$SITE" $WHEELS; then
         export PYTHONPATH="$SITE:$PYTHONPATH"
-        record "wheels from .whl/" "installed $(ls .whl | tr '\n' ' ')"
+        record "wheels from .whl/" "installed $(echo $WHEELS | xargs -n1 basename | tr '\n' ' ')"
     else
         record "wheels from .whl/" "FAILED to install (see gpu_check.log)"
     fi
@@ -58,12 +58,15 @@ fi
 E2E_PY="$PY"
 if compgen -G ".whl/numpy-1*.whl" >/dev/null && install_wheels "$NUMPY1" .whl/numpy-1*.whl &&
     "$PY" -m venv --without-pip /tmp/splitserve-venv >>"$LOG" 2>&1; then
-    base_site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     venv_site=$(/tmp/splitserve-venv/bin/python -c \
         'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    printf '%s\n' "$NUMPY1" "$SITE" "$PWD/backends" "$PWD/client" "$PWD/kernels" \
-        "import site; site.addsitedir('$base_site')" >"$venv_site/splitserve.pth"
+    printf '%s\n' "$NUMPY1" "$SITE" "$PWD/backends" "$PWD/client" "$PWD/kernels" >"$venv_site/splitserve.pth"
+    # Every site directory of the image's Python (a Debian one has dist-packages besides).
+    "$PY" -c 'import site; [print(f"import site; site.addsitedir({d!r})") for d in site.getsitepackages()]' \
+        >>"$venv_site/splitserve.pth"
     E2E_PY=/tmp/splitserve-venv/bin/python
+elif compgen -G ".whl/numpy-1*.whl" >/dev/null; then
+    record "end-to-end venv (numpy < 2)" "FAILED to set up (see gpu_check.log)"
 fi
 "$PY" -c "import zmq" 2>/dev/null ||
     record "pyzmq" "MISSING: run scripts/gpu/fetch_wheels.sh where pip works, carry .whl/"
@@ -78,7 +81,7 @@ PYEOF
 lscpu | grep -E 'Model name|^CPU\(s\)' >>"$LOG" 2>&1
 CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-step "pytest: GPU kernels, engine vs transformers, cuda_ipc, GPU layouts" 240 \
+step "pytest: GPU kernels, engine vs transformers, cuda_ipc, GPU layouts" 220 \
     "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_gpu_kernels.py \
     tests/kernels/test_gpu_engine.py tests/kernels/test_fp8.py \
     tests/kernels/test_attention_reference.py tests/transport/test_cuda_ipc.py \

@@ -79,8 +79,8 @@ def test_quick_profile_of_tiny_through_the_cli(
     monkeypatch.setenv("SPLITSERVE_PROFILE_CACHE", str(tmp_path / "cache"))
     cli_main(["plan", "profile", "--model", "tiny", "--quick", "--no-progress", "--out", str(out)])
     profile = Profile.load(out)
-    cached, _ = profile_cache.lookup("tiny", "float32", "cpu")
-    assert cached is not None and Profile.load(cached) == profile  # where `serve` plans from
+    # A --quick profile checks the path: not cached for `serve` to plan from.
+    assert profile_cache.lookup("tiny", "float32", "cpu")[0] is None
     assert not profile.modelled and profile.device == "cpu"
     assert list(profile.units) == [len(os.sched_getaffinity(0))]
     unit = next(iter(profile.units.values()))

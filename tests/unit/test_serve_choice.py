@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from test_planner_profile import synthetic_profile
 
 from splitserve.cli import serve_options
 from splitserve.deploy.serve import build_spec
-from splitserve_tools import serve_choice
+from splitserve_tools import plan_cli, serve_choice
 from splitserve_tools.cli import parser
 from splitserve_tools.planner import profile_cache
 from splitserve_tools.planner.cpu_id import cpu_identity
@@ -23,7 +24,7 @@ from splitserve_tools.planner.plan import Plan
 from splitserve_tools.planner.profile import Profile
 from splitserve_tools.serve_choice import choose
 
-FLAGS = ["--ttft-slo", "5", "--tpot-slo", "0.5", "--server-cores", "0-1"]
+FLAGS = ["--ttft-slo", "5", "--tpot-slo", "0.5"]
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def measured(units: tuple[int, ...] = (1, 2)) -> Profile:
     """A synthetic profile as if measured on this machine."""
     profile = synthetic_profile(units=units)
     return dataclasses.replace(
-        profile, modelled=False, hardware={"cpu": "this", "cpu_id": cpu_identity()}
+        profile, model="tiny", modelled=False, hardware={"cpu": "this", "cpu_id": cpu_identity()}
     )
 
 
@@ -94,7 +95,7 @@ def test_serve_takes_the_planners_choice_and_says_so(
     assert spec.layout == plan.placement.mode and spec.model == "tiny"
     assert "serving the planner's choice for chatbot" in caplog.text
     assert plan.placement.describe("cores") in caplog.text
-    assert plan.cores == (0, 1)
+    assert plan.cores == tuple(sorted(os.sched_getaffinity(0)))
     # A second start reuses the search.
     again = serve_args(*FLAGS)
     choose(again)
@@ -160,3 +161,34 @@ def test_a_search_is_keyed_by_the_profile_and_the_targets(tmp_path: Path) -> Non
     assert profile_cache.plan_path(profile, {**searched, "tpot_s": 0.2}) != same
     measured(units=(1,)).save(profile)
     assert profile_cache.plan_path(profile, searched) != same
+
+
+def test_plan_profile_and_calibrate_cache_what_they_write(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = measured()
+    plan_cli._cache(profile)  # what `plan profile` (not --quick) and `plan calibrate` call
+    cached, _ = profile_cache.lookup("tiny", "float32", "cpu")
+    assert cached is not None and Profile.load(cached) == profile
+    assert "cached for `splitserve serve`" in capsys.readouterr().out
+    assert not list(cache.rglob("*.tmp"))  # written through a temporary file, renamed
+
+
+def test_serve_device_cpu_with_a_cached_profile(cache: Path) -> None:
+    profile_cache.store(measured(), "tiny")
+    args = serve_args(*FLAGS, "--device", "cpu")
+    choose(args)
+    assert args.plan is not None and args.device is None
+    assert build_spec(serve_options(args)).device == "cpu"  # --device did not clash with --plan
+
+
+def test_an_unreadable_kept_plan_is_searched_again(
+    cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    profile_cache.store(measured(), "tiny")
+    args = serve_args(*FLAGS)
+    choose(args)
+    args.plan.write_text("{ half a pla")
+    again = serve_args(*FLAGS)
+    choose(again)
+    assert again.plan == args.plan and Plan.load(again.plan).placement is not None

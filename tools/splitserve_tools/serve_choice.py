@@ -52,19 +52,14 @@ def explicit_placement(args: argparse.Namespace) -> list[str]:
     return given
 
 
-def _budget(args: argparse.Namespace, device: str) -> tuple[int, tuple[int, ...] | None]:
-    """Devices to place on: the cores this process may run on (or ``--server-cores``), or the
-    GPUs it sees; with the cores themselves for CPUs."""
+def _budget(device: str) -> tuple[int, tuple[int, ...] | None]:
+    """Devices to place on: the cores this process may run on (with the cores themselves), or
+    the GPUs it sees."""
     if device == "gpu":
         import torch
 
         return torch.cuda.device_count(), None
-    if args.server_cores not in (None, "all"):
-        from splitserve.serving.affinity import parse_ranges
-
-        cores = tuple(sorted(parse_ranges(args.server_cores, "core")))
-    else:
-        cores = tuple(sorted(os.sched_getaffinity(0)))
+    cores = tuple(sorted(os.sched_getaffinity(0)))
     return len(cores), cores
 
 
@@ -104,26 +99,26 @@ def choose(args: argparse.Namespace) -> None:
         return
     try:
         plan_file, lines = _plan(args, found, settings, device)
-    except (ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError) as exc:
         log.warning("serving the default layout: the planner could not plan (%s)", exc)
         return
     for line in lines:
         log.info("%s", line)
     args.plan = plan_file
+    args.device = None  # the plan names it (the profile was looked up for this device)
 
 
 def _plan(
     args: argparse.Namespace, profile_file: Path, settings: dict[str, str], device: str
 ) -> tuple[Path, list[str]]:
     from splitserve_tools.planner.commands import default_limits, make_plan, search_budget
-    from splitserve_tools.planner.plan import Plan
     from splitserve_tools.planner.profile import Profile
-    from splitserve_tools.planner.profile_cache import plan_path
+    from splitserve_tools.planner.profile_cache import plan_path, save_atomically
     from splitserve_tools.planner.simulate import Traffic
     from splitserve_tools.workload.slo import SLO
 
     profile = Profile.load(profile_file)
-    devices, cores = _budget(args, device)
+    devices, cores = _budget(device)
     given_len = settings.get("max_model_len")
     max_len = min(int(given_len), profile.shape.max_model_len) if given_len else None
     max_len = max_len or profile.shape.max_model_len
@@ -143,8 +138,8 @@ def _plan(
     }
     path = plan_path(profile_file, searched)
     unit = profile.unit_name
-    if path.is_file():
-        plan = Plan.load(path)
+    plan = _kept(path)
+    if plan is not None:
         how = f"searched before ({path})"
     else:
         traffic = Traffic.of_workload(
@@ -160,21 +155,19 @@ def _plan(
             slo.tpot_s,
             profile_file,
         )
-        result = search_budget(
-            profile, traffic, slo, devices, default_limits(profile, kv_bytes), True
-        )
+        base = default_limits(profile, kv_bytes)
+        result = search_budget(profile, traffic, slo, devices, base, progress=True)
         info = {
             "workload": args.workload,
             "num_requests": SIMULATED_REQUESTS,
             "max_model_len": max_len,
         }
-        plan = make_plan(profile, result, info, slo, max_len, 8)
-        plan = replace(plan, cores=cores)
-        plan.save(path)
+        plan = replace(make_plan(profile, result, info, slo, max_len, top=8), cores=cores)
+        save_atomically(path, plan.to_dict())
         how = f"saved as {path}"
     default = plan.context.get("default")
     beside = (
-        f"; the default layout: {default['goodput_rps']:.2f} req/s"
+        f"; the default 1 + 1 split: {default['goodput_rps']:.2f} req/s"
         if isinstance(default, dict)
         else ""
     )
@@ -187,3 +180,13 @@ def _plan(
         f"plan {how}; --no-plan serves the default layout",
     ]
     return path, lines
+
+
+def _kept(path: Path) -> Any:
+    """The plan an earlier start searched, or None (none kept, or unreadable: search again)."""
+    from splitserve_tools.planner.plan import Plan
+
+    try:
+        return Plan.load(path)
+    except (OSError, ValueError, KeyError):
+        return None

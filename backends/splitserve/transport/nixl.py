@@ -213,6 +213,8 @@ class NixlTransport(LeasedTransport):
         pool, a new agent) or went away is forgotten after ``peer_idle_s`` without reads, or
         at once after a READ from it failed; a live one is asked for its metadata again."""
         self._abandoned: list[_Abandoned] = []
+        self._to_forget: set[bytes] = set()
+        """Owner pools to forget once their abandoned READs have settled."""
         self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
 
     @property
@@ -316,10 +318,14 @@ class NixlTransport(LeasedTransport):
         return peer
 
     def _forget(self, pool_id: bytes, why: str) -> None:
-        """Drop a known owner pool and its NIXL remote agent, unless a timed-out READ from it
-        has not settled yet (then at a later chance)."""
+        """Drop a known owner pool and its NIXL remote agent; once its abandoned READs have
+        settled, if some have not yet (``reap``)."""
         peer = self._peers.get(pool_id)
-        if peer is None or any(item.agent == peer.agent_name for item in self._abandoned):
+        self._to_forget.discard(pool_id)
+        if peer is None:
+            return
+        if any(item.agent == peer.agent_name for item in self._abandoned):
+            self._to_forget.add(pool_id)
             return
         del self._peers[pool_id]
         self._peer_used.pop(pool_id, None)
@@ -372,7 +378,9 @@ class NixlTransport(LeasedTransport):
         self._notify(handle, PULL)
         try:
             self._read(peer, local, remote, mem, dst_block_ids)
-        except RuntimeError:
+        except BlocksStillWritten:
+            raise  # a stalled owner may answer yet: its READ is abandoned, not failed
+        except Exception:
             self._forget(handle.pool_id, "a READ from it failed")
             raise
         if handle.encoding == "fp8":
@@ -451,7 +459,7 @@ class NixlTransport(LeasedTransport):
             self._pool.allocator.free(item.block_ids)
         self._abandoned = held
         for pool_id, peer in list(self._peers.items()):
-            if peer.agent_name in failed:
+            if peer.agent_name in failed or pool_id in self._to_forget:
                 self._forget(pool_id, "a READ from it failed")
         return sum(len(item.block_ids) for item in held)
 
@@ -476,6 +484,7 @@ class NixlTransport(LeasedTransport):
             self._agent.remove_remote_agent(peer.agent_name)
         self._peers.clear()
         self._peer_used.clear()
+        self._to_forget.clear()
         if self._wire is not None:
             self._wire.close()
             self._wire = None
