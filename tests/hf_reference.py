@@ -10,6 +10,7 @@ import functools
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -70,3 +71,20 @@ def hf_logits(ckpt_dir: str | Path, ids: Sequence[int]) -> torch.Tensor:
     """fp32 logits ``[len(ids), vocab_size]`` of one forward pass over ``ids`` (no cache)."""
     model = load_hf_model(ckpt_dir)
     return model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False).logits[0].float()
+
+
+def assert_greedy_equals_hf(
+    llm: Any, ckpt_dir: Path, texts: Sequence[str], max_tokens: int
+) -> None:
+    """``llm`` (a ``splitserve.LLM`` on ``ckpt_dir``) generates each of ``texts`` greedily,
+    ``max_tokens`` tokens without stopping, exactly as transformers does, and frees every block."""
+    from splitserve import SamplingParams
+    from splitserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt_dir)
+    prompts = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(ckpt_dir, ids, max_tokens, eos_token_ids=())
+    assert llm.engine.scheduler.allocator.num_used == 0

@@ -4,10 +4,9 @@ Triton kernels in the whole model, not only each against its reference. Runs in
 
 import pytest
 import torch
-from hf_reference import hf_greedy
+from hf_reference import assert_greedy_equals_hf
 
-from splitserve import LLM, SamplingParams
-from splitserve.tokenizer import load_tokenizer
+from splitserve import LLM
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +25,4 @@ TEXTS = [
 def test_cuda_greedy_equals_transformers(name, request):
     ckpt = request.getfixturevalue(name)
     llm = LLM(str(ckpt), device="cuda", max_model_len=256, num_kv_blocks=128, block_size=8)
-    tok = load_tokenizer(ckpt)
-    prompts = [tok.encode(t) for t in TEXTS]
-    outs = llm.generate(
-        prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False
-    )
-    for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(ckpt, ids, 32, eos_token_ids=())
-    assert llm.engine.scheduler.allocator.num_used == 0
+    assert_greedy_equals_hf(llm, ckpt, TEXTS, 32)

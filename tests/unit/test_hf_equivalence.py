@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from hf_reference import hf_greedy
+from hf_reference import assert_greedy_equals_hf, hf_greedy
 
 from splitserve import LLM, SamplingParams
 from splitserve.model.hf_config import ModelConfig
@@ -27,14 +27,7 @@ TEXTS = [
 def test_greedy_equals_transformers(name, request):
     ckpt = request.getfixturevalue(name)
     llm = LLM(str(ckpt), max_model_len=256, num_kv_blocks=128, block_size=8)
-    tok = load_tokenizer(ckpt)
-    prompts = [tok.encode(t) for t in TEXTS]
-    outs = llm.generate(
-        prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False
-    )
-    for ids, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == hf_greedy(ckpt, ids, 40, eos_token_ids=())
-    assert llm.engine.scheduler.allocator.num_used == 0
+    assert_greedy_equals_hf(llm, ckpt, TEXTS, 40)
 
 
 def test_stops_on_eos_like_transformers(llama32_ckpt):

@@ -10,7 +10,10 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve_tools.planner.plan import Plan
 
 log = logging.getLogger("splitserve.plan")
 
@@ -113,15 +116,15 @@ def _plan(
 ) -> tuple[Path, list[str]]:
     from splitserve_tools.planner.commands import default_limits, make_plan, search_budget
     from splitserve_tools.planner.profile import Profile
-    from splitserve_tools.planner.profile_cache import plan_path, save_atomically
+    from splitserve_tools.planner.profile_cache import plan_path
     from splitserve_tools.planner.simulate import Traffic
     from splitserve_tools.workload.slo import SLO
 
     profile = Profile.load(profile_file)
     devices, cores = _budget(device)
-    given_len = settings.get("max_model_len")
-    max_len = min(int(given_len), profile.shape.max_model_len) if given_len else None
-    max_len = max_len or profile.shape.max_model_len
+    max_len = profile.shape.max_model_len
+    if "max_model_len" in settings:
+        max_len = min(int(settings["max_model_len"]), max_len)
     kv_bytes = int(settings["kv_cache_bytes"]) if "kv_cache_bytes" in settings else None
     slo = SLO(args.ttft_slo, args.tpot_slo)
     searched: dict[str, Any] = {
@@ -147,7 +150,7 @@ def _plan(
         )
         log.info(
             "planning %s on %d %s for %s (TTFT <= %g s, TPOT <= %g s) from %s",
-            args.model or "tiny",
+            profile.model,
             devices,
             unit,
             args.workload,
@@ -163,7 +166,7 @@ def _plan(
             "max_model_len": max_len,
         }
         plan = replace(make_plan(profile, result, info, slo, max_len, top=8), cores=cores)
-        save_atomically(path, plan.to_dict())
+        plan.save(path)
         how = f"saved as {path}"
     default = plan.context.get("default")
     beside = (
@@ -182,7 +185,7 @@ def _plan(
     return path, lines
 
 
-def _kept(path: Path) -> Any:
+def _kept(path: Path) -> Plan | None:
     """The plan an earlier start searched, or None (none kept, or unreadable: search again)."""
     from splitserve_tools.planner.plan import Plan
 

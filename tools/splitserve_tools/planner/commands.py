@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from splitserve_tools.planner.cores import profile_cpu, profile_gpu
 from splitserve_tools.planner.gpu_model import modelled_profile
+from splitserve_tools.planner.json_file import write_json
 from splitserve_tools.planner.measure import Points
 from splitserve_tools.planner.placement import Limits
 from splitserve_tools.planner.plan import Plan
@@ -188,5 +188,4 @@ def write_results(path: Path, profile: Profile, results: Sequence[SearchResult])
             for r in results
         ],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(path, doc)

@@ -17,6 +17,7 @@ from typing import Any
 
 from splitserve.deploy.spec import DeploymentSpec, RoleSpec
 from splitserve.serving.affinity import format_cores
+from splitserve_tools.planner.json_file import write_json
 from splitserve_tools.planner.placement import Placement, Role
 
 FORMAT_VERSION = 1
@@ -76,8 +77,7 @@ class Plan:
         )
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: Path) -> Plan:

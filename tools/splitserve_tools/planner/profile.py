@@ -19,6 +19,7 @@ from splitserve_tools.planner.fit import (
     PrefillFit,
     PrefillSample,
 )
+from splitserve_tools.planner.json_file import write_json
 
 FORMAT_VERSION = 1
 
@@ -166,8 +167,7 @@ class Profile:
         )
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: Path) -> Profile:

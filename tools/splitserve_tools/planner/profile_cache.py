@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +85,8 @@ def store(profile: Profile, model: str) -> Path | None:
     if root is None or profile.modelled:
         return None
     path = profile_path(root, model, profile.dtype, profile.device, profile.hardware)
-    save_atomically(path, profile.to_dict())
+    profile.save(path)
     return path
-
-
-def save_atomically(path: Path, doc: dict[str, Any]) -> None:
-    """Write ``doc`` as JSON to ``path`` through a temporary file: a reader (another ``serve``
-    starting) sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        f.write(json.dumps(doc, indent=2) + "\n")
-    os.replace(f.name, path)
 
 
 def lookup(model: str, dtype: str, device: str) -> tuple[Path | None, Path | None]:
