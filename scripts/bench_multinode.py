@@ -90,11 +90,16 @@ def server_args(model: str, dtype: str, max_model_len: int, work: Path) -> list[
 
 
 @contextmanager
-def serving(node: netns.Node, args: list[str], log: Path) -> Iterator[None]:
-    """`splitserve serve ARGS` in ``node``, ready, for the ``with`` block; stopped after it."""
+def serving(
+    node: netns.Node, args: list[str], log: Path, cores: str | None = None
+) -> Iterator[None]:
+    """`splitserve serve ARGS` in ``node``, ready, for the ``with`` block; stopped after it.
+    With ``cores``, the whole server (every thread it makes) runs on those cores only."""
     env = {**os.environ, "UCX_TLS": "tcp"}
+    pin = ["taskset", "-c", cores] if cores else []
     with log.open("wb") as out:
-        proc = node.popen([str(SPLITSERVE), "serve", *args], env=env, stdout=out, stderr=out)
+        proc = node.popen([*pin, str(SPLITSERVE), "serve", *args], env=env, stdout=out,
+                          stderr=out)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         while not run_client(node, "ready", "http://127.0.0.1:8000"):
@@ -181,7 +186,7 @@ def main() -> None:
     ap.add_argument(
         "--split-cores",
         action="store_true",
-        help="prefill on core 0, decode on core 1 (each server's own threads on its core), as on "
+        help="prefill on core 0, decode on core 1 (each server and every thread it makes), as on "
         "two hosts; default: both servers on every core",
     )
     ap.add_argument(
@@ -231,10 +236,11 @@ def main() -> None:
         if args.split_cores:
             decode_args += ["--decode-cores", "1", "--server-cores", "1"]
             prefill_args += ["--prefill-cores", "0", "--server-cores", "0"]
-        with serving(decode, decode_args, work / "decode.log"):
+        decode_cores, prefill_cores = ("1", "0") if args.split_cores else (None, None)
+        with serving(decode, decode_args, work / "decode.log", decode_cores):
             for mode in modes:
                 with serving(prefill, [*prefill_args, *MODES[mode]],
-                             work / f"prefill-{mode}.log"):  # fmt: skip
+                             work / f"prefill-{mode}.log", prefill_cores):  # fmt: skip
                     for rate in parse_rates(args.rates):
                         for node in cluster:
                             netns.set_rate(node, rate)
