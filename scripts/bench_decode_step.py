@@ -34,6 +34,7 @@ def build(args: argparse.Namespace) -> Engine:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_gib << 30,
+        block_size=args.block_size,
         num_threads=args.threads,
     )
     parts = build_components(cfg)
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = build(args)

@@ -90,6 +90,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         lend_prefill_cores=args.lend_prefill_cores,
         lend_decode_cores=args.lend_decode_cores,
         server_cores=args.server_cores,
+        prefill_max_batch_size=args.prefill_max_batch_size,
+        prefill_queue_delay_us=args.prefill_queue_delay_us,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
@@ -224,6 +226,17 @@ def add_runtime_parsers(sub: argparse._SubParsersAction) -> None:
         "--server-cores",
         help="cores for tritonserver's own threads (front ends, backend threads), e.g. '0', or "
         "'all' (default: the prefill cores of a CPU layout with prefill, else all)",
+    )
+    s.add_argument(
+        "--prefill-max-batch-size",
+        type=int,
+        help="most prompts in one prefill pass (the prefill model's max_batch_size; default 8): "
+        "prompts batched together all get their first token when the pass ends",
+    )
+    s.add_argument(
+        "--prefill-queue-delay-us",
+        type=int,
+        help="how long prefill's dynamic batcher waits to fill a batch, in µs (default 1000)",
     )
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-model-len", type=int)

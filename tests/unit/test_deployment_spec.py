@@ -112,6 +112,8 @@ def test_placed_fields_are_not_settings(capsys: pytest.CaptureFixture[str], key:
         (["--layout", "colocated", "--lend-prefill-cores"], "lending cores needs"),
         (["--layout", "colocated", "--lend-decode-cores"], "lending cores needs"),
         (["--param", "tpot_target_s=-1"], "tpot_target_s must be positive"),
+        (["--prefill-max-batch-size", "0"], "prefill_max_batch_size must be positive"),
+        (["--prefill-queue-delay-us", "-1"], "prefill_max_batch_size must be positive"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(
@@ -424,6 +426,21 @@ def test_settings_given_with_a_plan_win_over_its_per_role_limits(tmp_path: Path)
     PLANS[0].save(tmp_path / "plan.json")
     spec = build_spec(ServeOptions(plan=tmp_path / "plan.json", settings={"max_num_seqs": "8"}))
     assert spec.serving_config("llm", tmp_path).engine.max_num_seqs == 8
+
+
+@pytest.mark.parametrize("with_plan", [False, True])
+def test_prefill_batching_flags_reach_the_prefill_model(tmp_path: Path, with_plan: bool) -> None:
+    PLANS[0].save(tmp_path / "plan.json")
+    opts = ServeOptions(
+        model="tiny",
+        plan=tmp_path / "plan.json" if with_plan else None,
+        prefill_max_batch_size=1,
+        prefill_queue_delay_us=0,
+    )
+    spec = build_spec(opts)
+    assert (spec.prefill_max_batch_size, spec.prefill_queue_delay_us) == (1, 0)
+    text = (render(spec, tmp_path / "repo") / "prefill" / "config.pbtxt").read_text()
+    assert "max_batch_size: 1" in text and "max_queue_delay_microseconds: 0" in text
 
 
 @pytest.mark.usefixtures("nothing_starts")

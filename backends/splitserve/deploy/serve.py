@@ -60,6 +60,9 @@ class ServeOptions:
     lend_prefill_cores: bool | None = None
     lend_decode_cores: bool | None = None
     server_cores: str | None = None
+    prefill_max_batch_size: int | None = None
+    """Most prompts in one prefill pass (Triton's dynamic batcher); None: the spec's."""
+    prefill_queue_delay_us: int | None = None
     plan: Path | None = None
     """A ``plan.json`` from ``splitserve plan search``: its deployment sets the layout,
     placement and batching limits; ``model`` and ``settings`` still apply over it."""
@@ -139,7 +142,13 @@ def spec_from_plan(opts: ServeOptions) -> DeploymentSpec:
 
 
 def _serving_fields(opts: ServeOptions) -> dict[str, Any]:
+    batching = {
+        name: getattr(opts, name)
+        for name in ("prefill_max_batch_size", "prefill_queue_delay_us")
+        if getattr(opts, name) is not None
+    }
     return {
+        **batching,
         "lend_prefill_cores": opts.lend_prefill_cores,
         "lend_decode_cores": opts.lend_decode_cores,
         "server_cores": opts.server_cores,
