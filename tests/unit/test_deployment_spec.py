@@ -113,7 +113,7 @@ def test_placed_fields_are_not_settings(capsys: pytest.CaptureFixture[str], key:
         (["--layout", "colocated", "--lend-decode-cores"], "lending cores needs"),
         (["--param", "tpot_target_s=-1"], "tpot_target_s must be positive"),
         (["--prefill-max-batch-size", "0"], "prefill_max_batch_size must be positive"),
-        (["--prefill-queue-delay-us", "-1"], "prefill_max_batch_size must be positive"),
+        (["--prefill-queue-delay-us", "-1"], "prefill_queue_delay_us must be >= 0"),
     ],
 )
 def test_bad_values_exit_2_naming_the_field(

@@ -137,8 +137,14 @@ class DeploymentSpec:
         self._check_split()
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
-        if self.prefill_max_batch_size <= 0 or self.prefill_queue_delay_us < 0:
-            raise ValueError("prefill_max_batch_size must be positive, queue delay >= 0")
+        if self.prefill_max_batch_size <= 0:
+            raise ValueError(
+                f"prefill_max_batch_size must be positive, got {self.prefill_max_batch_size}"
+            )
+        if self.prefill_queue_delay_us < 0:
+            raise ValueError(
+                f"prefill_queue_delay_us must be >= 0, got {self.prefill_queue_delay_us}"
+            )
         if self.server_cores not in (None, "all"):
             parse_ranges(self.server_cores, "server cores")
         _check_settings(self.settings, "settings")
