@@ -233,10 +233,11 @@ def main() -> None:
         prefill_args = [*common, "--role", "prefill", "--advertise-host", prefill.address]
         for item in args.prefill_param:
             prefill_args += ["--param", item]
+        decode_cores = prefill_cores = None
         if args.split_cores:
+            decode_cores, prefill_cores = "1", "0"
             decode_args += ["--decode-cores", "1", "--server-cores", "1"]
             prefill_args += ["--prefill-cores", "0", "--server-cores", "0"]
-        decode_cores, prefill_cores = ("1", "0") if args.split_cores else (None, None)
         with serving(decode, decode_args, work / "decode.log", decode_cores):
             for mode in modes:
                 with serving(prefill, [*prefill_args, *MODES[mode]],
