@@ -50,7 +50,10 @@ class Readiness:
         """Ask once; a probe that raises or takes over ``timeout_s`` counts as a failure."""
         was_ready = self.ready
         try:
-            ok = await asyncio.wait_for(probe(), self.timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it can swallow the cancel of a task whose
+            # probe has just answered, and ``watch`` then never stops.
+            async with asyncio.timeout(self.timeout_s):
+                ok = await probe()
         except Exception as exc:  # any failure to answer (timeout, gRPC error) is "not ready"
             log.debug("readiness check failed: %r", exc)
             ok = False
