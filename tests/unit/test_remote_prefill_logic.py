@@ -40,6 +40,8 @@ def error(status: str | None, message: str) -> InferenceServerException:
         ("StatusCode.NOT_FOUND", "Request for unknown model: 'prefill'", False, True),
         ("StatusCode.INTERNAL", "Stub process 'prefill_0_0' is not healthy.", False, True),
         ("StatusCode.INTERNAL", "prefill failed: boom", False, False),
+        (None, "Request for unknown model: 'prefill' is not found", False, True),
+        (None, "Stub process 'prefill_0_0' is not healthy.", False, True),
         ("StatusCode.INVALID_ARGUMENT", "bad input", False, False),
         (None, "client-side error", False, False),
     ],

@@ -69,6 +69,9 @@ DECOUPLED = "decoupled transaction policy"
 """Triton's refusal of ``infer`` on a decoupled model: the server now streams by layer."""
 STUB_DIED = "is not healthy"
 """Triton's INTERNAL error of a Python-backend model whose stub process died."""
+SERVER_GONE = (STUB_DIED, "Request for unknown model")
+"""In the errors of a server that cannot take the call now (its stub died, its model is not
+loaded): a streamed call's errors carry no status code to tell them by."""
 
 _MAX_MESSAGE = 2**31 - 1
 # grpc's own reconnect backoff grows to 120 s: a restarted server would stay unreachable on the
@@ -96,7 +99,8 @@ def classify(server: str, exc: InferenceServerException) -> PrefillFailed:
     text = f"prefill server {server}: {status or 'error'}: {message}"
     if bls_contract.POOL_FULL in message:
         return PrefillFailed(text, pool_full=True)
-    retryable = status in RETRYABLE_STATUS or STUB_DIED in message
+    gone = any(words in message for words in SERVER_GONE)
+    retryable = status in RETRYABLE_STATUS or gone
     return PrefillFailed(text, retryable=retryable)
 
 
