@@ -80,3 +80,26 @@ def test_watch_checks_at_its_interval() -> None:
     asyncio.run(run())
     assert calls[0] >= 5
     assert not readiness.ready
+
+
+def test_watch_stops_when_cancelled_as_its_probe_answers() -> None:
+    """A cancel that lands while a check's probe answers still stops ``watch`` (Python 3.11's
+    ``asyncio.wait_for`` lost such cancels, and the watch ran on)."""
+
+    async def lost_cancels() -> int:
+        lost = 0
+        for _ in range(200):
+            _, probe = probe_of(True)
+            watch = asyncio.create_task(Readiness(interval_s=0.0).watch(probe))
+            await asyncio.sleep(0.001)
+            watch.cancel()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            if not watch.done():
+                lost += 1
+                while not watch.done():  # cancel again until it lands, so the run can end
+                    watch.cancel()
+                    await asyncio.sleep(0)
+        return lost
+
+    assert asyncio.run(lost_cancels()) == 0
