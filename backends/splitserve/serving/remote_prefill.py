@@ -67,11 +67,10 @@ RETRYABLE_STATUS = frozenset(
 (CANCELLED, ABORTED; ours is asyncio.CancelledError instead), or lacks the model (NOT_FOUND)."""
 DECOUPLED = "decoupled transaction policy"
 """Triton's refusal of ``infer`` on a decoupled model: the server now streams by layer."""
-STUB_DIED = "is not healthy"
-"""Triton's INTERNAL error of a Python-backend model whose stub process died."""
-SERVER_GONE = (STUB_DIED, "Request for unknown model")
-"""In the errors of a server that cannot take the call now (its stub died, its model is not
-loaded): a streamed call's errors carry no status code to tell them by."""
+SERVER_GONE = ("is not healthy", "Request for unknown model")
+"""In Triton's errors of a server that cannot take the call now: a Python-backend model whose
+stub died, a model not loaded. Read from the message, which is all a streamed call's error
+carries (no status code)."""
 
 _MAX_MESSAGE = 2**31 - 1
 # grpc's own reconnect backoff grows to 120 s: a restarted server would stay unreachable on the
@@ -99,8 +98,7 @@ def classify(server: str, exc: InferenceServerException) -> PrefillFailed:
     text = f"prefill server {server}: {status or 'error'}: {message}"
     if bls_contract.POOL_FULL in message:
         return PrefillFailed(text, pool_full=True)
-    gone = any(words in message for words in SERVER_GONE)
-    retryable = status in RETRYABLE_STATUS or gone
+    retryable = status in RETRYABLE_STATUS or any(words in message for words in SERVER_GONE)
     return PrefillFailed(text, retryable=retryable)
 
 
