@@ -20,8 +20,10 @@ from splitserve_kernels.dispatch import (
     silu_mul_,
     triton_available,
     uses_kernel,
+    widened_linear,
 )
 from splitserve_kernels.reference.attention import gather_kv, varlen_prefill_attention, write_kv
+from splitserve_kernels.reference.linear import pack_panels
 
 __all__ = [
     "add_rms_norm",
@@ -31,6 +33,7 @@ __all__ = [
     "fp8_encode_blocks",
     "gather_kv",
     "greedy_tokens",
+    "pack_panels",
     "paged_decode_attention",
     "paged_prefill_attention",
     "prepare",
@@ -40,5 +43,6 @@ __all__ = [
     "triton_available",
     "uses_kernel",
     "varlen_prefill_attention",
+    "widened_linear",
     "write_kv",
 ]

@@ -8,6 +8,7 @@ from hf_reference import assert_greedy_equals_hf, hf_greedy
 
 from splitserve import LLM, SamplingParams
 from splitserve.model.hf_config import ModelConfig
+from splitserve.model.linear import HALF_MATMUL_ENV
 from splitserve.tokenizer import load_tokenizer
 
 CKPTS = ["llama32_ckpt", "qwen2_ckpt", "mistral_ckpt", "mistral_swa_ckpt", "llama_bytes_ckpt"]
@@ -48,7 +49,10 @@ def test_legacy_and_new_rope_layouts_parse_the_same(llama32_ckpt, tmp_path):
     assert ModelConfig.from_dict(cfg) == ModelConfig.from_dir(llama32_ckpt)
 
 
-def test_bfloat16_load_runs(mistral_ckpt):
+@pytest.mark.parametrize("half_matmul", ["onednn", "widened"])
+def test_bfloat16_load_runs(mistral_ckpt, half_matmul, monkeypatch):
+    # Both matmul paths for bfloat16 weights, whichever this CPU would pick.
+    monkeypatch.setenv(HALF_MATMUL_ENV, half_matmul)
     llm = LLM(str(mistral_ckpt), dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
     out = llm.generate(
         ["hello"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False

@@ -16,7 +16,7 @@ from torch import nn
 import splitserve_kernels as kernels
 from splitserve.model.batch import ForwardBatch
 from splitserve.model.hf_config import ModelConfig
-from splitserve.model.linear import linear, pack
+from splitserve.model.linear import Packed, linear, pack
 from splitserve.model.rope import RotaryEmbedding
 
 
@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         self.up_proj = _param(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device)
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, device=device)
         self.scale = cfg.head_dim**-0.5
-        self.packed: dict[str, torch.Tensor | None] = {}
+        self.packed: dict[str, Packed | None] = {}
 
     def pack_weights(self) -> None:
         """Pre-pack the projection matrices where the platform supports it (see linear.py)."""
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.rope, cfg.head_dim, max_positions or cfg.max_position_embeddings, device
         )
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: Packed | None = None
 
     def pack_weights(self) -> None:
         """Call once the weights are final: pre-packs every matmul weight where supported."""

@@ -1,5 +1,6 @@
 """C++ kernels for CPUs (decode and prefill attention, RMSNorm, rotary + KV write, SwiGLU,
-greedy token choice, FP8 transfer encoding of KV blocks), compiled on first use with the local
+greedy token choice, FP8 transfer encoding of KV blocks, linear layers with half-precision
+weights widened to float), compiled on first use with the local
 compiler (g++ and ninja; the sources ship in the wheel).
 
 The build (a minute or more on a small machine; README) is cached under
@@ -40,17 +41,44 @@ _SOURCES = [
         "activation.cpp",
         "argmax.cpp",
         "fp8.cpp",
+        "widened_linear.cpp",
     )
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "dtypes.h", _HERE / "scratch.h"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What the kernels take; other dtypes use the references."""
+NATIVE_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+"""``/proc/cpuinfo`` flags of instructions that multiply the dtype without widening it."""
 
 
 def usable(t: torch.Tensor) -> bool:
     """Whether the kernels here take ``t``: a CPU tensor of one of DTYPES, the build done."""
     return t.device.type == "cpu" and t.dtype in DTYPES and extension() is not None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's ISA flags (``/proc/cpuinfo``; none where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` in hardware (float32 always); where not, the
+    matmul libraries widen it at a fraction of float32's rate and ``widened_linear`` is faster."""
+    flags = NATIVE_FLAGS.get(dtype)
+    return flags is None or any(flag in cpu_flags() for flag in flags)
 
 
 def enabled() -> bool:
@@ -274,3 +302,10 @@ def decode_blocks(
 ) -> None:
     """``reference.fp8.decode_blocks`` for CPU tensors."""
     _ext().fp8_decode_blocks(q, scales, src_ids, pool, dst_ids)
+
+
+def widened_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``reference.linear.widened_linear`` for CPU tensors."""
+    return _ext().widened_linear(x.contiguous(), panels, bias, out_features)

@@ -22,6 +22,8 @@ void fp8_encode_blocks(torch::Tensor pool, torch::Tensor src_ids, torch::Tensor 
                        torch::Tensor scales, torch::Tensor dst_ids);
 void fp8_decode_blocks(torch::Tensor q, torch::Tensor scales, torch::Tensor src_ids,
                        torch::Tensor pool, torch::Tensor dst_ids);
+torch::Tensor widened_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias,
+                             int64_t out_features);
 
 // The kernels keep the GIL while they compute. Letting go of it (a gil_scoped_release call guard
 // on each) made served decode steps slower: every kernel call became one more point where the
@@ -37,4 +39,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_tokens", &greedy_tokens);
   m.def("fp8_encode_blocks", &fp8_encode_blocks);
   m.def("fp8_decode_blocks", &fp8_decode_blocks);
+  m.def("widened_linear", &widened_linear);
 }

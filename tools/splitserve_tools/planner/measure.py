@@ -24,6 +24,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine_config import EngineConfig
 from splitserve.kv.layout import DTYPES, KVLayout
 from splitserve.kv.pool import KVPool
+from splitserve_kernels import cpu as kernels_cpu
 from splitserve_tools.planner.fit import (
     DecodeSample,
     HandoffFit,
@@ -173,11 +174,18 @@ def measure_unit(
 
 def measure_rates(device: str, dtype: str, read_bytes: int = 1 << 30, repeats: int = 3) -> Rates:
     """The roofline of this process's threads (or of the GPU): read bandwidth of a streaming
-    ``sum`` over ``read_bytes`` and FLOP/s of a 2048² matmul in ``dtype``; best of ``repeats``."""
+    ``sum`` over ``read_bytes`` and FLOP/s of a 2048² matmul in ``dtype``; best of ``repeats``.
+    A CPU that does not multiply ``dtype`` in hardware (``splitserve_kernels.cpu.native_matmul``)
+    can widen it to float32 at float32's rate, which is then its limit: the faster of the two."""
     n = 2048
     x = torch.ones(read_bytes // 4, device=device)
-    a = torch.randn(n, n, device=device).to(DTYPES[dtype])
-    b = torch.randn(n, n, device=device).to(DTYPES[dtype])
+    matmul_dtypes = {DTYPES[dtype]}
+    if device == "cpu" and not kernels_cpu.native_matmul(DTYPES[dtype]):
+        matmul_dtypes.add(torch.float32)
+    operands = [
+        (torch.randn(n, n, device=device).to(d), torch.randn(n, n, device=device).to(d))
+        for d in matmul_dtypes
+    ]
 
     def timed(fn: Callable[[], object]) -> float:
         fn()
@@ -192,7 +200,8 @@ def measure_rates(device: str, dtype: str, read_bytes: int = 1 << 30, repeats: i
             best = min(best, time.perf_counter() - start)
         return best
 
-    return Rates(read_bytes / timed(x.sum), 2 * n**3 / timed(lambda: a @ b))
+    matmul_s = min(timed(lambda a=a, b=b: a @ b) for a, b in operands)
+    return Rates(read_bytes / timed(x.sum), 2 * n**3 / matmul_s)
 
 
 def model_shape(parts: Components, max_model_len: int) -> ModelShape:
