@@ -8,8 +8,8 @@
 // The weight comes packed in panels of 32 output features, [ceil(N / 32), K, 32] (the
 // reference's pack_panels), so that each k step loads 32 consecutive weights. The microkernel
 // holds a block of up to MR rows by 32 outputs in registers. x is widened to float once per call;
-// a panel is widened in registers where one row block reads it (decode's few rows, bound by
-// memory) and once into an L2-resident float copy where several do (prefill, bound by FLOPs).
+// a panel is widened in registers where a few row blocks read it (decode's rows, bound by
+// memory) and once into an L2-resident float copy where many do (prefill, bound by FLOPs).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -30,6 +30,7 @@ namespace {
 constexpr int64_t NR = 32;  // outputs per panel
 constexpr int MR = 12;      // rows per register block: 2 * MR accumulators, 2 weight vectors
 constexpr int64_t PREFETCH_K = 16;  // k steps (64-byte lines of a panel) fetched ahead
+constexpr int64_t COPY_ROW_BLOCKS = 4;  // row blocks from which a panel is widened once
 
 // The generic vector code widens bfloat16 in 128-bit pieces and broadcasts through an add of
 // zero; with AVX-512 one instruction does each.
@@ -92,18 +93,23 @@ void run(const float* x, const scalar_t* panels, const scalar_t* bias, scalar_t*
   const int64_t chunk = std::max<int64_t>(MR, (int64_t{1} << 19) / (4 * K) / MR * MR);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
+    // Row blocks of even size (16 rows: two of 8, not 12 and 4): a short block does as many
+    // loads and widenings per k step as a full one for fewer multiply-adds.
+    const int64_t row_blocks = (rows + MR - 1) / MR;
+    const int64_t step = (rows + row_blocks - 1) / row_blocks;
     at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
       alignas(64) float tile[MR * NR];
-      // Several row blocks read each panel: widen it once, into a float copy that stays in L2.
-      std::vector<float> widened(rows > MR ? K * NR : 0);
+      // Many row blocks read each panel: widen it once, into a float copy that stays in L2. For
+      // two or three the copy's stores cost more than the widening they save.
+      std::vector<float> widened(row_blocks >= COPY_ROW_BLOCKS ? K * NR : 0);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * NR, width = std::min(NR, N - n0);
         const scalar_t* panel = panels + p * K * NR;
         if (!widened.empty()) {
           for (int64_t i = 0; i < K * NR; i += W) store(widened.data() + i, widen16(panel + i));
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-          const int64_t r = std::min<int64_t>(MR, rows - r0);
+        for (int64_t r0 = 0; r0 < rows; r0 += step) {
+          const int64_t r = std::min(step, rows - r0);
           const float* xr = x + (m0 + r0) * K;
           if (widened.empty()) {
             blocks[r - 1](xr, K, panel, K, tile);
