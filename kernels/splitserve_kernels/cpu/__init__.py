@@ -1,7 +1,7 @@
 """C++ kernels for CPUs (decode and prefill attention, RMSNorm, rotary + KV write, SwiGLU,
 greedy token choice, FP8 transfer encoding of KV blocks, linear layers with half-precision
-weights widened to float), compiled on first use with the local
-compiler (g++ and ninja; the sources ship in the wheel).
+weights widened to float), compiled on first use with the local compiler (g++ and ninja; the
+sources ship in the wheel).
 
 The build (a minute or more on a small machine; README) is cached under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), in a directory per installed
