@@ -20,7 +20,6 @@ from splitserve_kernels.dispatch import (
     silu_mul_,
     triton_available,
     uses_kernel,
-    widened_linear,
 )
 from splitserve_kernels.reference.attention import gather_kv, varlen_prefill_attention, write_kv
 from splitserve_kernels.reference.linear import pack_panels
@@ -43,6 +42,5 @@ __all__ = [
     "triton_available",
     "uses_kernel",
     "varlen_prefill_attention",
-    "widened_linear",
     "write_kv",
 ]

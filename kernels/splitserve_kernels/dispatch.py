@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from splitserve_kernels import cpu
-from splitserve_kernels.reference import activation, attention, fp8, linear, norm, rope, sampling
+from splitserve_kernels.reference import activation, attention, fp8, norm, rope, sampling
 
 FORCE_ENV = "SPLITSERVE_KERNELS"
 """``reference`` makes every op use its reference, also on CUDA (for A/B checks)."""
@@ -151,11 +151,3 @@ def fp8_decode_blocks(
 ) -> None:
     """The inverse: blocks ``src_ids`` of ``q``/``scales`` into blocks ``dst_ids`` of a pool."""
     _fp8(pool, q, scales).decode_blocks(q, scales, src_ids, pool, dst_ids)
-
-
-def widened_linear(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """``x · wᵀ + bias`` for a half-precision weight packed by ``pack_panels``, in float32,
-    rounded once to ``x``'s dtype (see ``reference.linear``)."""
-    return (cpu if cpu.usable(x) else linear).widened_linear(x, panels, bias, out_features)

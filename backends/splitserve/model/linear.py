@@ -10,7 +10,7 @@ each weight once removes that:
   hardware (AMX, AVX512-BF16 / AVX512-FP16): at batch 32 the 100M model's matmuls run about 3.5x
   faster than float32, with results bit-identical to ``F.linear`` in the same dtype;
 - on other CPUs oneDNN widens them at a fraction of float32's rate, so they go to
-  ``splitserve_kernels.widened_linear`` (weights in panels, widened to float in registers),
+  ``splitserve_kernels.cpu.widened_linear`` (weights in panels, widened to float in registers),
   where the CPU kernels built.
 
 Everything else (GPUs, CPUs without these libraries) uses ``F.linear``.
@@ -80,10 +80,10 @@ def _half_kind(weight: torch.Tensor) -> Literal["onednn", "panels"]:
     if forced not in ("", "onednn", "widened"):
         raise ValueError(f"{HALF_MATMUL_ENV} must be onednn or widened, got {forced!r}")
     onednn, panels = _onednn_ok(weight), _panels_ok(weight)
-    if not panels or (onednn and forced == "onednn"):
-        return "onednn"
-    if not onednn or forced == "widened":
-        return "panels"
+    if not (onednn and panels):
+        return "onednn" if onednn else "panels"
+    if forced:
+        return "onednn" if forced == "onednn" else "panels"
     return "onednn" if cpu.native_matmul(weight.dtype) else "panels"
 
 
@@ -108,7 +108,7 @@ def linear(
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "panels":
-        return kernels.widened_linear(x, packed.weight, bias, weight.shape[0])
+        return cpu.widened_linear(x, packed.weight, bias, weight.shape[0])
     if packed.kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
     # The last argument must equal the row count, or MKL falls back to the unpacked weight.

@@ -308,4 +308,4 @@ def widened_linear(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """``reference.linear.widened_linear`` for CPU tensors."""
-    return _ext().widened_linear(x.contiguous(), panels, bias, out_features)
+    return _ext().widened_linear(x, panels, bias, out_features)

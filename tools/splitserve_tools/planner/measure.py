@@ -179,9 +179,9 @@ def measure_rates(device: str, dtype: str, read_bytes: int = 1 << 30, repeats: i
     can widen it to float32 at float32's rate, which is then its limit: the faster of the two."""
     n = 2048
     x = torch.ones(read_bytes // 4, device=device)
-    matmul_dtypes = {DTYPES[dtype]}
+    matmul_dtypes = [DTYPES[dtype]]
     if device == "cpu" and not kernels_cpu.native_matmul(DTYPES[dtype]):
-        matmul_dtypes.add(torch.float32)
+        matmul_dtypes.append(torch.float32)
     operands = [
         (torch.randn(n, n, device=device).to(d), torch.randn(n, n, device=device).to(d))
         for d in matmul_dtypes
