@@ -5,7 +5,10 @@ decode), on random checkpoints of several shapes. The defect this guards against
 OpenMP worker for the lent core was made on decode's own core whenever the first borrowed step
 had no parallel region (it depends on the shapes and dtype), and every later decode step then
 fought it for that core, 50-200x slower than colocated (issue 28). The targets take turns on
-each group of one to three prompts, so both meet the machine in the same state.
+each group of one to three prompts, so both meet the machine in the same state. A round that
+comes out above the bound is measured again, up to ``ROUNDS`` in all: the defect shows in every
+round, while this machine's noise (two cores shared with the client and the server's threads)
+moves a round's ratio by about 0.15 either way and the ratio here sits near 1.1 on some parts.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from splitserve_tools.bench.target import TritonTarget
 pytestmark = pytest.mark.triton
 
 MAX_RATIO = 1.25
-"""``llm``'s TPOT p50 over ``llm_colocated``'s, at most."""
+"""``llm``'s TPOT p50 over ``llm_colocated``'s, at most, in at least one round."""
+ROUNDS = 3
 PROMPT_TOKENS = 64
 OUTPUT_TOKENS = 128
 IN_FLIGHT = (1, 2, 3)
@@ -87,18 +91,30 @@ def engine_counts(server: TritonServer) -> dict[str, float]:
     return counts
 
 
-async def light_load(url: str, tokenizer_dir: Path) -> dict[str, float]:
+async def light_load(url: str, tokenizer_dir: Path) -> list[dict[str, float]]:
+    """TPOT p50 per target, one dict per round, until a round is within the bound."""
     tokenizer = load_bench_tokenizer(str(tokenizer_dir))
     prompts = exact_prompts(tokenizer, WARMUP_PROMPTS + PROMPTS, PROMPT_TOKENS)
     targets = [TritonTarget(url, "llm"), TritonTarget(url, "llm_colocated")]
+    rounds: list[dict[str, float]] = []
     try:
         await take_turns(targets, groups(prompts[:WARMUP_PROMPTS], IN_FLIGHT), OUTPUT_TOKENS)
         turns = groups(prompts[WARMUP_PROMPTS:], IN_FLIGHT)
-        records = await take_turns(targets, turns, OUTPUT_TOKENS)
+        while len(rounds) < ROUNDS and not any(ratio(r) <= MAX_RATIO for r in rounds):
+            records = await take_turns(targets, turns, OUTPUT_TOKENS)
+            rounds.append({name: median_tpot(rs) for name, rs in records.items()})
     finally:
         for target in targets:
             await target.close()
-    return {name: median_tpot(rs) for name, rs in records.items()}
+    return rounds
+
+
+def ratio(tpot: dict[str, float]) -> float:
+    return tpot["llm"] / tpot["llm_colocated"]
+
+
+def milliseconds(tpot: dict[str, float]) -> dict[str, float]:
+    return {name: round(seconds * 1e3, 2) for name, seconds in tpot.items()}
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -116,11 +132,10 @@ def test_llm_decodes_as_fast_as_colocated_at_light_load(name: str, tmp_path: Pat
     )
     server = start_server(build_spec(opts), tmp_path / "repo")
     try:
-        tpot = asyncio.run(light_load(server.grpc_url, ckpt))
+        rounds = asyncio.run(light_load(server.grpc_url, ckpt))
         counts = engine_counts(server)
     finally:
         server.stop()
-    ratio = tpot["llm"] / tpot["llm_colocated"]
-    ms = {k: round(v * 1e3, 2) for k, v in tpot.items()}
-    print(f"{name}: TPOT p50 ms {ms} (x{ratio:.2f})")
-    assert ratio <= MAX_RATIO, f"{name}: TPOT p50 ms {ms} (x{ratio:.2f}); llm engine {counts}"
+    seen = "; ".join(f"{milliseconds(r)} (x{ratio(r):.2f})" for r in rounds)
+    print(f"{name}: TPOT p50 ms by round: {seen}")
+    assert min(map(ratio, rounds)) <= MAX_RATIO, f"{name}: {seen}; llm engine {counts}"
