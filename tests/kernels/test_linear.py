@@ -47,8 +47,10 @@ def test_panels_round_trip(out_features):
 
 @_needs_kernels
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("rows", [1, 2, 12, 13, 64, 300])
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 40), (40, 768), (1280, 200)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 64, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(96, 40), (40, 768), (500, 64), (1280, 200)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_widened_linear_matches_reference(dtype, rows, out_features, in_features, with_bias):
     w = _randn(out_features, in_features, dtype=dtype)
@@ -62,6 +64,22 @@ def test_widened_linear_matches_reference(dtype, rows, out_features, in_features
     # one step of the dtype where a sum lands near a rounding boundary.
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert (got == want).float().mean() > 0.95
+
+
+@_needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+def test_widened_linear_does_not_depend_on_threads(rows):
+    """Up to eight rows read several panels at once, the panels left over one at a time; how
+    the threads split the panels changes which, never a sum's order."""
+    panels = ref.pack_panels(_randn(500, 64, dtype=torch.bfloat16))
+    x = _randn(rows, 64, dtype=torch.bfloat16, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.widened_linear(x, panels, None, 500)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu.widened_linear(x, panels, None, 500), one)
 
 
 @_needs_kernels
