@@ -20,9 +20,11 @@ THRESHOLD = 50.0
 
 
 class LoadTarget:
-    """A saturating server: TTFT = base · in_flight, token gap = base_tpot · (1 + in_flight/4)."""
+    """A saturating server: TTFT = base · in_flight, token gap = base_tpot · (1 + in_flight/4).
+    Its times are tens of milliseconds, so that an event loop a few milliseconds late on a
+    loaded machine does not flip a probe (at 2 ms a base, one did in CI)."""
 
-    def __init__(self, ttft_s: float = 0.002, tpot_s: float = 0.001) -> None:
+    def __init__(self, ttft_s: float = 0.02, tpot_s: float = 0.01) -> None:
         self.name = "fake-load"
         self.ttft_s, self.tpot_s = ttft_s, tpot_s
         self.in_flight = 0
@@ -165,12 +167,12 @@ def test_goodput_of_a_saturating_target() -> None:
         search_goodput(
             target,
             schedule_for,
-            SLO(0.012, 0.003),
-            SearchSettings(100, 3000, max_probes=5),
+            SLO(0.12, 0.03),
+            SearchSettings(10, 300, max_probes=5),
             progress=False,
         )
     )
-    assert 100 <= result.goodput_rps < 3000
+    assert 10 <= result.goodput_rps < 300
     assert len(result.probes) <= 5
     passed = [p.rate for p in result.probes if p.summary.attainment >= 0.9]
     failed = [p.rate for p in result.probes if p.summary.attainment < 0.9]
