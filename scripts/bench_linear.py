@@ -33,10 +33,10 @@ PATHS = {"widened": "widened", "oneDNN bf16": "onednn", "MKL float32": None}
 
 def packed_copies(half: list[torch.Tensor], path: str | None) -> list[tuple[torch.Tensor, Packed]]:
     """Each weight with its packed form for ``path``, as the model packs it."""
+    if path is not None:
+        os.environ["SPLITSERVE_HALF_MATMUL"] = path
     out = []
     for w in half:
-        if path is not None:
-            os.environ["SPLITSERVE_HALF_MATMUL"] = path
         weight = w if path is not None else w.float()
         packed = pack(weight)
         assert packed is not None, f"{path}: no packed form on this CPU"

@@ -63,37 +63,9 @@ inline vf broadcast(float x) {
 #endif
 }
 
-// tile[r][0:32] = sum over k of x[r][k] * panel[k][0:32], for R rows of x (row stride ldx).
-template <int R, typename w_t>
-void block(const float* x, int64_t ldx, const w_t* panel, int64_t K, float* tile) {
-  vf lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    // A panel streams from memory: ask for its lines ahead of use (distances of 16 to 128 steps
-    // measured alike, BENCHMARKS.md).
-    __builtin_prefetch(panel + (k + PREFETCH_K) * NR);
-    const vf w0 = widen16(panel + k * NR);
-    const vf w1 = widen16(panel + k * NR + W);
-    for (int r = 0; r < R; ++r) {
-      const vf xr = broadcast(x[r * ldx + k]);
-      lo[r] += xr * w0;
-      hi[r] += xr * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    store(tile + r * NR, lo[r]);
-    store(tile + r * NR + W, hi[r]);
-  }
-}
-
-template <typename w_t, int... Rs>
-constexpr auto block_table(std::integer_sequence<int, Rs...>) {
-  using Fn = void (*)(const float*, int64_t, const w_t*, int64_t, float*);
-  return std::array<Fn, sizeof...(Rs)>{&block<Rs + 1, w_t>...};
-}
-
-// tile[(q * R + r) * 32 + 0:32] for panel q of P (panel q at panel + q * stride) and row r: the
-// block above over P panels at once, their weight streams in flight together.
+// tile[(q * R + r) * 32 + 0:32] = sum over k of x[r][k] * panel_q[k][0:32], for R rows of x (row
+// stride ldx) and P panels (panel q at panel + q * stride), their weight streams in flight
+// together.
 template <int R, int P, typename w_t>
 void multi_block(const float* x, int64_t ldx, const w_t* panel, int64_t stride, int64_t K,
                  float* tile) {
@@ -102,6 +74,8 @@ void multi_block(const float* x, int64_t ldx, const w_t* panel, int64_t stride, 
     for (int r = 0; r < R; ++r) acc[q][r][0] = acc[q][r][1] = vf{};
   }
   for (int64_t k = 0; k < K; ++k) {
+    // Panels stream from memory: ask for their lines ahead of use (distances of 16 to 128 steps
+    // measured alike, BENCHMARKS.md).
     for (int q = 0; q < P; ++q) __builtin_prefetch(panel + q * stride + (k + PREFETCH_K) * NR);
     for (int q = 0; q < P; ++q) {
       const vf w0 = widen16(panel + q * stride + k * NR);
@@ -119,6 +93,18 @@ void multi_block(const float* x, int64_t ldx, const w_t* panel, int64_t stride, 
       store(tile + (q * R + r) * NR + W, acc[q][r][1]);
     }
   }
+}
+
+// One panel: tile[r][0:32] for R rows.
+template <int R, typename w_t>
+void block(const float* x, int64_t ldx, const w_t* panel, int64_t K, float* tile) {
+  multi_block<R, 1>(x, ldx, panel, 0, K, tile);
+}
+
+template <typename w_t, int... Rs>
+constexpr auto block_table(std::integer_sequence<int, Rs...>) {
+  using Fn = void (*)(const float*, int64_t, const w_t*, int64_t, float*);
+  return std::array<Fn, sizeof...(Rs)>{&block<Rs + 1, w_t>...};
 }
 
 // out[r][n0 : n0 + width] = tile[r] (+ bias), rounded once, for `rows` rows of a tile.
