@@ -12,7 +12,9 @@ the row's), then measures both models two ways:
   ``tests/integration/test_light_load.py``).
 
 and reads ``llm``'s engine counters over the issue's run (steps, busy seconds, borrowed and
-withheld steps). Prints a markdown table; writes ``out/light_load/light_load.json``.
+withheld steps). ``--client`` places this script's client (the bench's process and the turns):
+on the server's own cores as the regression test does, on the cores left to decode, or wherever
+the kernel puts it. Prints a markdown table; writes ``out/light_load/light_load.json``.
 
 Run: python scripts/bench_light_load.py
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,7 +36,7 @@ from bench_common import counters, loopback
 from splitserve.deploy.serve import start_server
 from splitserve.testing.checkpoints import write_tokenizer
 from splitserve_tools.bench.prompts import exact_prompts, load_bench_tokenizer
-from splitserve_tools.bench.serial import groups, median_tpot, take_turns
+from splitserve_tools.bench.serial import client_on, groups, median_tpot, take_turns
 from splitserve_tools.bench.target import TritonTarget
 
 CLI = (sys.executable, "-m", "splitserve_tools.cli")
@@ -123,8 +126,11 @@ def measure(model: Path, flags: list[str], args: argparse.Namespace, out: Path) 
     opts = loopback(str(model), "both", args.base_port, engine, lend_prefill_cores=lend)
     server = start_server(opts)
     try:
+        cores = client_cores(args.client, server.server_cores)
+        pin = ["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []
         before = counters(server.metrics_url)
         bench = [
+            *pin,
             *(*CLI, "bench", "--url", server.grpc_url, "--target", "llm"),
             *("--target", "llm_colocated", "--workload", "fixed", "--tokenizer", str(model)),
             *("--input-len", "64", "--output-len", "32", "--arrival", "poisson"),
@@ -134,13 +140,21 @@ def measure(model: Path, flags: list[str], args: argparse.Namespace, out: Path) 
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         time.sleep(0.5)  # the instances publish their counters every 0.1 s
         after = counters(server.metrics_url)
-        turn = asyncio.run(turns(server.grpc_url, str(model), args.prompts))
+        with client_on(cores):
+            turn = asyncio.run(turns(server.grpc_url, str(model), args.prompts))
     finally:
         server.stop()
     report = json.loads(out.read_text())
     tpot = {s["target"]: s["tpot_p50"] for s in report["summary"]}
     got = {name: v - before.get((m, name), 0.0) for (m, name), v in after.items() if m == "llm"}
     return {"bench_tpot_p50": tpot, "turns_tpot_p50": turn, "llm_engine": got}
+
+
+def client_cores(where: str, server: set[int] | None) -> set[int] | None:
+    """The cores for ``--client`` (None: anywhere)."""
+    if where == "anywhere" or server is None:
+        return None
+    return server if where == "server" else os.sched_getaffinity(0) - server
 
 
 def row_line(label: str, r: dict) -> str:
@@ -163,6 +177,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24, help="prompts of the turns measurement")
     ap.add_argument("--base-port", type=int, default=18800)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--client", choices=["server", "decode", "anywhere"], default="server")
+    ap.add_argument("--rows", type=int, nargs="+", help="row numbers to run (0-based; all)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -172,6 +188,8 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---|",
     ]
     for i, (label, shape, flags) in enumerate(ROWS):
+        if args.rows is not None and i not in args.rows:
+            continue
         model = hf_checkpoint(shape, args.out / f"ckpt-{shape}")
         results[label] = measure(model, flags, args, args.out / f"bench-{i}.json")
         lines.append(row_line(label, results[label]))

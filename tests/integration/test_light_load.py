@@ -18,9 +18,6 @@ load: where the client runs").
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,10 +26,9 @@ from llm_client import samples
 
 from splitserve.deploy.launcher import TritonServer, free_ports
 from splitserve.deploy.serve import ServeOptions, build_spec, start_server
-from splitserve.serving.affinity import pin_process_threads
 from splitserve.testing.checkpoints import write_random_checkpoint
 from splitserve_tools.bench.prompts import exact_prompts, load_bench_tokenizer
-from splitserve_tools.bench.serial import groups, median_tpot, take_turns
+from splitserve_tools.bench.serial import client_on, groups, median_tpot, take_turns
 from splitserve_tools.bench.target import TritonTarget
 
 pytestmark = pytest.mark.triton
@@ -115,20 +111,6 @@ async def light_load(url: str, tokenizer_dir: Path) -> list[dict[str, float]]:
         for target in targets:
             await target.close()
     return rounds
-
-
-@contextmanager
-def client_on(cores: set[int] | None) -> Iterator[None]:
-    """This process's threads, and those they make, on ``cores`` (None: where they are)."""
-    if cores is None:
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    pin_process_threads(os.getpid(), cores)
-    try:
-        yield
-    finally:
-        pin_process_threads(os.getpid(), allowed)
 
 
 def ratio(tpot: dict[str, float]) -> float:

@@ -6,11 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
+from splitserve.serving.affinity import pin_process_threads
 from splitserve_client.stream import RequestRecord
 from splitserve_tools.bench.target import Target
+
+
+@contextmanager
+def client_on(cores: set[int] | None) -> Iterator[None]:
+    """This process's threads, and those they make, on ``cores`` for the block (None: where
+    they are). A client on the server's machine belongs where the server's own threads run:
+    on decode's one core it takes turns with the engine (BENCHMARKS.md, "Light load: where the
+    client runs")."""
+    if cores is None:
+        yield
+        return
+    allowed = os.sched_getaffinity(0)
+    pin_process_threads(os.getpid(), cores)
+    try:
+        yield
+    finally:
+        pin_process_threads(os.getpid(), allowed)
 
 
 def groups(prompts: Sequence[str], sizes: Sequence[int]) -> list[list[str]]:
