@@ -83,6 +83,21 @@ def test_widened_linear_does_not_depend_on_threads(rows):
 
 
 @_needs_kernels
+@pytest.mark.parametrize("rows", [61, 64, 121])
+def test_a_rows_output_does_not_depend_on_the_pass_it_falls_in(rows):
+    """At K = 2048 rows go through the panels at most 60 at a time, the passes sharing them
+    evenly (64: two of 32); a row's sums run in one order whichever pass and register block
+    it lands in, so each equals the same row computed alone."""
+    panels = ref.pack_panels(_randn(96, 2048, dtype=torch.bfloat16))
+    x = _randn(rows, 2048, dtype=torch.bfloat16, seed=1)
+    whole = cpu.widened_linear(x, panels, None, 96)
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(whole[r : r + 1], cpu.widened_linear(x[r : r + 1], panels, None, 96))
+    want = ref.widened_linear(x, panels, None, 96)
+    torch.testing.assert_close(whole, want, rtol=1e-2, atol=1e-2)
+
+
+@_needs_kernels
 def test_widened_linear_refuses_mismatched_inputs():
     w = ref.pack_panels(_randn(40, 16, dtype=torch.bfloat16))
     x = _randn(3, 16, dtype=torch.bfloat16)

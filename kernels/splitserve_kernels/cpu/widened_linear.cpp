@@ -181,9 +181,13 @@ void run(const float* x, const scalar_t* panels, const scalar_t* bias, scalar_t*
   static constexpr auto blocks = block_table<scalar_t>(std::make_integer_sequence<int, MR>{});
   static constexpr auto wide_blocks = block_table<float>(std::make_integer_sequence<int, MR>{});
   const int64_t num_panels = (N + NR - 1) / NR;
-  // Rows per pass over the panels: their widened x (about 512 KiB) stays in the core's L2 while
-  // every panel streams past it once.
-  const int64_t chunk = std::max<int64_t>(MR, (int64_t{1} << 19) / (4 * K) / MR * MR);
+  // Rows per pass over the panels: their widened x (at most about 512 KiB) stays in the core's
+  // L2 while every panel streams past it once. The passes share the rows evenly (64 rows at
+  // K = 2048: two of 32, not 60 and 4): each pass reads every panel again, and a short one does
+  // so for few rows.
+  const int64_t max_chunk = std::max<int64_t>(MR, (int64_t{1} << 19) / (4 * K) / MR * MR);
+  const int64_t passes = (M + max_chunk - 1) / max_chunk;
+  const int64_t chunk = (M + passes - 1) / passes;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
     // Row blocks of even size (16 rows: two of 8, not 12 and 4): a short block does as many
