@@ -126,21 +126,19 @@ def measure(model: Path, flags: list[str], args: argparse.Namespace, out: Path) 
     opts = loopback(str(model), "both", args.base_port, engine, lend_prefill_cores=lend)
     server = start_server(opts)
     try:
-        cores = client_cores(args.client, server.server_cores)
-        pin = ["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []
-        before = counters(server.metrics_url)
-        bench = [
-            *pin,
-            *(*CLI, "bench", "--url", server.grpc_url, "--target", "llm"),
-            *("--target", "llm_colocated", "--workload", "fixed", "--tokenizer", str(model)),
-            *("--input-len", "64", "--output-len", "32", "--arrival", "poisson"),
-            *("--rate", str(args.rate), "--num-requests", str(args.num_requests)),
-            *("--json", str(out), "--no-progress"),
-        ]
-        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-        time.sleep(0.5)  # the instances publish their counters every 0.1 s
-        after = counters(server.metrics_url)
-        with client_on(cores):
+        # The bench's process is made by a pinned thread, so it starts on the client's cores.
+        with client_on(client_cores(args.client, server.server_cores)):
+            before = counters(server.metrics_url)
+            bench = [
+                *(*CLI, "bench", "--url", server.grpc_url, "--target", "llm"),
+                *("--target", "llm_colocated", "--workload", "fixed", "--tokenizer", str(model)),
+                *("--input-len", "64", "--output-len", "32", "--arrival", "poisson"),
+                *("--rate", str(args.rate), "--num-requests", str(args.num_requests)),
+                *("--json", str(out), "--no-progress"),
+            ]
+            subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+            time.sleep(0.5)  # the instances publish their counters every 0.1 s
+            after = counters(server.metrics_url)
             turn = asyncio.run(turns(server.grpc_url, str(model), args.prompts))
     finally:
         server.stop()
