@@ -26,6 +26,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +36,14 @@ import torch
 
 import splitserve_kernels as kernels
 from splitserve.kv.allocator import BlocksStillWritten
-from splitserve.kv.handle import InvalidHandle, KVHandle
+from splitserve.kv.handle import InvalidHandle, KVHandle, encode_handle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport.channel import PULL
 from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
 from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
+from splitserve.transport.nixl_push import IncomingPushes, OutgoingPush, settled_message
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +73,30 @@ def _mem_of(pool: KVPool) -> tuple[str, int]:
 
 
 class _Progress:
-    """Owner side: drives the agent's UCX worker, which answers the readers' READs. Busy (a
-    pause of ``BUSY_S``) for ``BUSY_WINDOW_S`` after each reader's PULL notice (its READ
-    follows) while that lease is being read, else every ``IDLE_S``. Bounded, because a
+    """Drives the agent's UCX worker, which moves the bytes of RMA over TCP on both ends. An
+    owner's: busy (a pause of ``BUSY_S``) for ``BUSY_WINDOW_S`` after each reader's PULL notice
+    (its READ follows) while that lease is being read, else every ``IDLE_S``. Bounded, because a
     streamed lease is being read for its whole prompt pass: a busy loop that long takes CPU
-    the pass needs."""
+    the pass needs. While pushes are under way (``pushing``: sent or expected), every
+    ``PUSH_S``: often enough for the socket buffers to keep a 10 Gbit/s link busy. Notifications
+    go to ``on_notif``."""
 
     BUSY_S = 20e-6
+    PUSH_S = 200e-6
     IDLE_S = 2e-3
     BUSY_WINDOW_S = 0.005
 
-    def __init__(self, agent: Any, being_read: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        agent: Any,
+        being_read: Callable[[], int],
+        pushing: Callable[[], int] = lambda: 0,
+        on_notif: Callable[[bytes], None] | None = None,
+    ) -> None:
         self._agent = agent
         self._being_read = being_read
+        self._pushing = pushing
+        self._on_notif = on_notif
         self._busy_until = 0.0
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -94,14 +107,21 @@ class _Progress:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._agent.get_new_notifs()
+                notifs = self._agent.get_new_notifs()
             except Exception:  # a peer's failure surfaces here too; the reader handles it
                 log.debug("NIXL progress reported an error", exc_info=True)
+                notifs = {}
+            if self._on_notif is not None:
+                for messages in notifs.values():
+                    for message in messages:
+                        self._on_notif(bytes(message))
             if self._wake.is_set():
                 self._wake.clear()
                 self._busy_until = time.monotonic() + self.BUSY_WINDOW_S
             if self._being_read() and time.monotonic() < self._busy_until:
                 time.sleep(self.BUSY_S)
+            elif self._pushing():
+                time.sleep(self.PUSH_S)
             else:
                 self._wake.wait(self.IDLE_S)
 
@@ -185,6 +205,7 @@ class NixlTransport(LeasedTransport):
         metadata_timeout_s: float = 5.0,
         transfer_dtype: str = "auto",
         peer_idle_s: float = 300.0,
+        accept_pushes: bool = False,
         **options: Any,
     ) -> None:
         if transfer_timeout_s <= 0 or metadata_timeout_s <= 0:
@@ -216,21 +237,39 @@ class NixlTransport(LeasedTransport):
         self._to_forget: set[bytes] = set()
         """Owner pools to forget once their abandoned READs have settled."""
         self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
+        self._incoming = IncomingPushes(transfer_timeout_s) if accept_pushes else None
+        """A reader's pushes (``push_target``): its registered pool takes prefill's WRITEs."""
+        self._push_pool_id = secrets.token_bytes(16)
+        self._outgoing: dict[bytes, OutgoingPush] = {}
+        """An owner's pushes under way, by target lease id (``open_push``)."""
+        self._abandoned_pushes: list[OutgoingPush] = []
+        self._used_targets: OrderedDict[bytes, float] = OrderedDict()
+        """Targets pushed into (lease id → expiry): a replayed one is refused."""
+        self._push_lock = threading.Lock()
+        self._push_counts = dict.fromkeys(
+            ("pushed_bytes", "pushed_layers", "push_ns", "push_errors", "push_timeouts"), 0
+        )
 
     @property
     def agent_name(self) -> str | None:
         return None if self._agent is None else str(self._agent.name)
 
     def _new_agent(self) -> Any:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         for key, value in UCX_DEFAULTS.items():
             os.environ.setdefault(key, value)  # UCX reads its settings when the agent starts
         name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         # No NIXL progress thread: it polls without pause, a whole core per agent even when idle.
         # A reader progresses its own READs while it waits for them; an owner, whose progress
-        # answers them (UCX emulates RMA over TCP), runs ``_Progress``.
-        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # answers them (UCX emulates RMA over TCP), runs ``_Progress``, as does a push's either
+        # end. Strict sync: ``_Progress`` calls the agent beside the threads that post transfers.
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        return nixl_agent(name, config)
 
     def create_pool(
         self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
@@ -253,24 +292,38 @@ class NixlTransport(LeasedTransport):
             [(pool.tensor.data_ptr(), nbytes, device_id, "")], mem
         )
         super().register(pool)
-        if self._own is not None and self._own[1] is pool:
-            if self._transfer_dtype == "fp8":
-                self._wire = _Wire(self._agent, pool)
-            wire = self._wire.tensors if self._wire is not None else None
-            own = PeerPool(
-                agent_name=self._agent.name,
-                base=pool.tensor.data_ptr(),
-                nbytes=nbytes,
-                device_id=device_id,
-                mem=mem,
-                num_blocks=pool.num_blocks,
-                metadata=self._agent.get_agent_metadata(),
-                wire_base=wire[0].data_ptr() if wire else 0,
-                scales_base=wire[1].data_ptr() if wire else 0,
-            )
-            self._metadata = MetadataServer(self._ctx, self._key, self._host, self._own[0], own)
+        exported = self._own is not None and self._own[1] is pool
+        if not exported and self._incoming is None:
+            return
+        # An owner encodes its leases into the wire copy; a reader taking pushes gets fp8
+        # pushes in it.
+        if self._transfer_dtype == "fp8":
+            self._wire = _Wire(self._agent, pool)
+        wire = self._wire.tensors if self._wire is not None else None
+        own = PeerPool(
+            agent_name=self._agent.name,
+            base=pool.tensor.data_ptr(),
+            nbytes=nbytes,
+            device_id=device_id,
+            mem=mem,
+            num_blocks=pool.num_blocks,
+            metadata=self._agent.get_agent_metadata(),
+            wire_base=wire[0].data_ptr() if wire else 0,
+            scales_base=wire[1].data_ptr() if wire else 0,
+        )
+        pool_id = self._own[0] if self._own is not None and exported else self._push_pool_id
+        self._metadata = MetadataServer(self._ctx, self._key, self._host, pool_id, own)
+        if exported:
             assert self._leases is not None  # set by register for an exported pool
-            self._progress = _Progress(self._agent, self._leases.being_read)
+            self._progress = _Progress(
+                self._agent, self._leases.being_read, pushing=lambda: len(self._outgoing)
+            )
+        else:
+            incoming = self._incoming
+            assert incoming is not None
+            self._progress = _Progress(
+                self._agent, lambda: 0, pushing=lambda: incoming.expecting, on_notif=incoming.heard
+            )
 
     def _pulled(self) -> None:
         if self._progress is not None:
@@ -348,33 +401,14 @@ class NixlTransport(LeasedTransport):
         peer = self._peer(handle)
         if max(handle.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {peer.num_blocks}")
+        if handle.encoding == "fp8" and (not peer.wire_base or not peer.scales_base):
+            raise InvalidHandle("KV handle says fp8 but its owner has no fp8 blocks")
         runs = np.array(contiguous_runs(handle.block_ids, dst_block_ids), dtype=np.uint64)
         runs = runs.reshape(-1, 3)
-        mem, device_id = _mem_of(self._pool)
-        if handle.encoding == "fp8":
-            if not peer.wire_base or not peer.scales_base:
-                raise InvalidHandle("KV handle says fp8 but its owner has no fp8 blocks")
-            wire = self._reader_wire()
-            sizes = _Wire.layer_block_bytes(layout)
-            regions = [
-                (wire.q.data_ptr(), peer.wire_base, sizes[0]),
-                (wire.scales.data_ptr(), peer.scales_base, sizes[1]),
-            ]
-        else:
-            regions = [
-                (self._pool.tensor.data_ptr(), peer.base, layout.block_bytes // layout.num_layers)
-            ]
-        n, own_blocks, first = len(layers), self._pool.num_blocks, layers.start
-        local = np.concatenate(
-            [descriptor_table(base + first * own_blocks * size, n, own_blocks, runs[:, 1:], size,
-                              device_id)
-             for base, _, size in regions]
-        )  # fmt: skip
-        remote = np.concatenate(
-            [descriptor_table(base + first * peer.num_blocks * size, n, peer.num_blocks,
-                              runs[:, [0, 2]], size, peer.device_id)
-             for _, base, size in regions]
-        )  # fmt: skip
+        local, remote = self._descriptors(
+            peer, runs[:, 1:], runs[:, [0, 2]], layers, handle.encoding
+        )
+        mem = _mem_of(self._pool)[0]
         self._notify(handle, PULL)
         try:
             self._read(peer, local, remote, mem, dst_block_ids)
@@ -389,6 +423,43 @@ class NixlTransport(LeasedTransport):
             q, scales = self._wire.q[span], self._wire.scales[span]
             kernels.fp8_decode_blocks(q, scales, ids, self._pool.tensor[span], ids)
         return int(local[:, 1].sum())
+
+    def _descriptors(
+        self,
+        peer: PeerPool,
+        local_runs: np.ndarray,
+        remote_runs: np.ndarray,
+        layers: range,
+        encoding: str,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptors of ``layers`` of runs of blocks here and at ``peer`` (``[n, 2]``:
+        first block, length), in the pool's dtype or as fp8 (the wire copies and scales)."""
+        assert self._pool is not None
+        layout = self._pool.layout
+        device_id = _mem_of(self._pool)[1]
+        if encoding == "fp8":
+            wire = self._reader_wire()
+            sizes = _Wire.layer_block_bytes(layout)
+            regions = [
+                (wire.q.data_ptr(), peer.wire_base, sizes[0]),
+                (wire.scales.data_ptr(), peer.scales_base, sizes[1]),
+            ]
+        else:
+            regions = [
+                (self._pool.tensor.data_ptr(), peer.base, layout.block_bytes // layout.num_layers)
+            ]
+        n, own_blocks, first = len(layers), self._pool.num_blocks, layers.start
+        local = np.concatenate(
+            [descriptor_table(base + first * own_blocks * size, n, own_blocks, local_runs, size,
+                              device_id)
+             for base, _, size in regions]
+        )  # fmt: skip
+        remote = np.concatenate(
+            [descriptor_table(base + first * peer.num_blocks * size, n, peer.num_blocks,
+                              remote_runs, size, peer.device_id)
+             for _, base, size in regions]
+        )  # fmt: skip
+        return local, remote
 
     def _reader_wire(self) -> _Wire:
         if self._wire is None:
@@ -443,6 +514,213 @@ class NixlTransport(LeasedTransport):
             self._counts["transfer_errors"] += 1
             raise RuntimeError(f"KV transfer from {peer.agent_name} failed ({state})")
 
+    # pushes, decode's end: prefill WRITEs into blocks named in a target (``nixl_push``)
+
+    @property
+    def accepts_pushes(self) -> bool:
+        return self._incoming is not None and self._metadata is not None
+
+    def push_target(self, dst_block_ids: list[int], num_tokens: int) -> bytes:
+        """A signed target naming ``dst_block_ids`` of the registered pool (holding
+        ``num_tokens`` tokens) for a prefill to push a prompt's KV into; until
+        ``push_arrived`` or ``push_failed`` the blocks are the push's."""
+        if self._incoming is None or self._metadata is None or self._pool is None:
+            raise RuntimeError("push_target needs a registered pool and accept_pushes")
+        layout = self._pool.layout
+        if not dst_block_ids or not 0 < num_tokens <= len(dst_block_ids) * layout.block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit {len(dst_block_ids)} blocks")
+        target = KVHandle(
+            owner="",
+            pool_id=self._push_pool_id,
+            transport=self.name,
+            layout=layout,
+            lease_id=secrets.token_bytes(16),
+            block_ids=tuple(dst_block_ids),
+            num_tokens=num_tokens,
+            expiry=time.time() + self._lease_ttl_s,
+            peer=self._metadata.address,
+            encoding="fp8" if self._wire is not None else "raw",
+        )
+        self._incoming.opened(target.lease_id, dst_block_ids)
+        return encode_handle(target, self._key)
+
+    def push_arrived(self, target: bytes) -> None:
+        """Prefill answered the call that carried ``target``: its blocks hold the KV (decoded
+        into the pool here where it came as fp8)."""
+        assert self._incoming is not None and self._pool is not None
+        h = self._verify(target, margin_s=None)
+        self._incoming.arrived(h.lease_id)
+        layout = self._pool.layout
+        moved = len(h.block_ids) * layout.block_bytes
+        if h.encoding == "fp8":
+            assert self._wire is not None
+            ids = torch.tensor(h.block_ids, dtype=torch.long)
+            kernels.fp8_decode_blocks(self._wire.q, self._wire.scales, ids, self._pool.tensor, ids)
+            sizes = _Wire.layer_block_bytes(layout)
+            moved = len(h.block_ids) * layout.num_layers * sum(sizes)
+            self._fetch_counts["fetched_fp8_bytes"] += moved
+        self._fetch_counts["fetched_bytes"] += moved
+        self._fetch_counts["fetches"] += 1
+        self._fetch_counts["fetched_layers"] += layout.num_layers
+
+    def push_failed(self, target: bytes, why: str) -> BlocksStillWritten:
+        """The call that carried ``target`` failed or was dropped: its blocks stay out of the
+        pool until the push settles (``reap_pushes``); raise what this returns."""
+        assert self._incoming is not None
+        h = self._verify(target, margin_s=None)
+        blocks = self._incoming.failed(h.lease_id, h.expiry)
+        return BlocksStillWritten(f"the prompt's KV push failed: {why}", blocks)
+
+    def reap_pushes(self) -> None:
+        """Return the blocks of failed pushes that nothing can write any more to the pool. On
+        the thread that owns the pool's allocator."""
+        if self._incoming is not None and self._pool is not None:
+            freed = self._incoming.reap()
+            if freed:
+                self._pool.allocator.free(freed)
+
+    # pushes, prefill's end
+
+    def open_push(self, target: bytes, src_block_ids: list[int]) -> bytes:
+        """Check ``target`` and reach its pool; the layers of the last ``len(target's blocks)``
+        of ``src_block_ids`` go there with ``push_layers``. Returns the push's key. Raises
+        InvalidHandle or ValueError (nothing posted) for a target that cannot be pushed into."""
+        if self._own is None or self._pool is not self._own[1]:
+            raise RuntimeError("open_push needs a registered pool from create_pool")
+        h = self._verify(target, margin_s=0.0)
+        layout = self._pool.layout
+        if h.layout != layout:
+            raise ValueError(f"push target layout {h.layout} differs from the local {layout}")
+        if len(h.block_ids) > len(src_block_ids):
+            raise ValueError(
+                f"push target names {len(h.block_ids)} blocks, the prompt has {len(src_block_ids)}"
+            )
+        if h.encoding == "fp8" and self._wire is None:
+            raise ValueError(
+                "the decode server takes fp8 KV: start prefill with --kv-transfer-dtype fp8 too"
+            )
+        now = time.time()
+        with self._push_lock:
+            while self._used_targets and next(iter(self._used_targets.values())) < now:
+                self._used_targets.popitem(last=False)
+            if h.lease_id in self._used_targets:
+                raise InvalidHandle("KV push target already used (replayed target)")
+            self._used_targets[h.lease_id] = h.expiry
+        self._settle_abandoned()
+        peer = self._peer(h)
+        if max(h.block_ids) >= peer.num_blocks:
+            raise InvalidHandle(f"push target names blocks beyond the pool's {peer.num_blocks}")
+        if h.encoding == "fp8" and (not peer.wire_base or not peer.scales_base):
+            raise InvalidHandle("push target says fp8 but its pool has no fp8 blocks")
+        src = list(src_block_ids[len(src_block_ids) - len(h.block_ids) :])
+        with self._push_lock:
+            self._outgoing[h.lease_id] = OutgoingPush(h, peer.agent_name, src)
+        return h.lease_id
+
+    def push_layers(self, key: bytes, layers: range) -> None:
+        """WRITE ``layers`` (written by the pass) of an open push; returns once posted. After
+        the target's expiry or a failed WRITE nothing more is posted (``finish_push`` says)."""
+        push = self._outgoing[key]
+        if push.failed is not None:
+            return
+        if time.time() >= push.target.expiry:
+            push.failed = "the push target expired"
+            return
+        started = time.perf_counter_ns()
+        h = push.target
+        if h.encoding == "fp8":
+            self._encode(push.src_block_ids, layers)
+        peer = self._peers[h.pool_id]
+        runs = np.array(contiguous_runs(push.src_block_ids, h.block_ids), dtype=np.uint64)
+        runs = runs.reshape(-1, 3)
+        local, remote = self._descriptors(peer, runs[:, [0, 2]], runs[:, 1:], layers, h.encoding)
+        assert self._pool is not None  # open_push checked it
+        mem = _mem_of(self._pool)[0]
+        try:
+            xfer = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local, mem),
+                self._agent.get_xfer_descs(remote, peer.mem),
+                peer.agent_name,
+            )
+        except Exception as exc:  # nixl's binding errors share no base class beyond Exception
+            push.failed = f"could not post a KV WRITE: {exc}"
+            return
+        state = self._state(xfer, post=True)
+        if state == "ERR":
+            self._release_xfer(xfer)
+            push.failed = f"a KV WRITE to {peer.agent_name} failed"
+        else:
+            push.xfers.append(xfer)
+        self._push_counts["pushed_bytes"] += int(local[:, 1].sum())
+        self._push_counts["pushed_layers"] += len(layers)
+        self._push_counts["push_ns"] += time.perf_counter_ns() - started
+        if self._progress is not None:
+            self._progress.wake()
+
+    def finish_push(self, key: bytes) -> None:
+        """Wait until every WRITE of the push is done (the KV is in the target's blocks), then
+        tell the target it settled. Raises if a WRITE failed, the target expired before the last
+        layer, or the WRITEs missed the transfer timeout (then they are left to settle and the
+        target hears of it when they have)."""
+        with self._push_lock:
+            push = self._outgoing.pop(key)
+        deadline = time.monotonic() + self._transfer_timeout_s
+        pause = 20e-6
+        pending = list(push.xfers)
+        while pending:
+            still = []
+            for xfer in pending:
+                state = self._state(xfer)
+                if state == "PROC":
+                    still.append(xfer)
+                    continue
+                self._release_xfer(xfer)
+                if state != "DONE" and push.failed is None:
+                    push.failed = f"a KV WRITE to {push.agent} failed ({state})"
+            pending = still
+            if pending and time.monotonic() > deadline:
+                self._push_counts["push_timeouts"] += 1
+                push.xfers = pending
+                with self._push_lock:
+                    self._abandoned_pushes.append(push)
+                raise RuntimeError(
+                    f"KV push to {push.agent} did not finish within {self._transfer_timeout_s:g} s"
+                )
+            if pending:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+        self._settled(push)
+        if push.failed is not None:
+            self._push_counts["push_errors"] += 1
+            raise RuntimeError(push.failed)
+
+    def _settled(self, push: OutgoingPush) -> None:
+        try:
+            self._agent.send_notif(push.agent, settled_message(push.target.lease_id))
+        except Exception:  # the target may be gone; its blocks then wait for their expiry
+            log.warning("could not tell %s that a KV push settled", push.agent, exc_info=True)
+
+    def _settle_abandoned(self) -> None:
+        """Tell the targets of abandoned pushes whose WRITEs have all ended."""
+        with self._push_lock:
+            abandoned, self._abandoned_pushes = self._abandoned_pushes, []
+        left = []
+        for push in abandoned:
+            still = []
+            for xfer in push.xfers:
+                if self._state(xfer) == "PROC":
+                    still.append(xfer)
+                else:
+                    self._release_xfer(xfer)
+            push.xfers = still
+            if still:
+                left.append(push)
+            else:
+                self._settled(push)
+        with self._push_lock:
+            self._abandoned_pushes += left
+
     def reap(self) -> int:
         """Return the blocks of abandoned transfers that have settled; how many are still held.
         Runs on the reader's own thread (its allocator is not locked)."""
@@ -466,6 +744,9 @@ class NixlTransport(LeasedTransport):
     def stats(self) -> dict[str, int]:
         held = sum(len(item.block_ids) for item in self._abandoned)
         counts = {**super().stats(), **self._counts, "held_blocks": held, "peers": len(self._peers)}
+        counts.update(self._push_counts)
+        if self._incoming is not None:
+            counts.update(self._incoming.counts)
         if self._metadata is not None:
             counts.update({f"metadata_{k}": v for k, v in self._metadata.counts.items()})
         return counts
@@ -480,6 +761,11 @@ class NixlTransport(LeasedTransport):
         for item in self._abandoned:
             self._release_xfer(item.xfer)
         self._abandoned.clear()
+        for push in [*self._abandoned_pushes, *self._outgoing.values()]:
+            for xfer in push.xfers:
+                self._release_xfer(xfer)
+        self._abandoned_pushes.clear()
+        self._outgoing.clear()
         for peer in self._peers.values():
             self._agent.remove_remote_agent(peer.agent_name)
         self._peers.clear()
