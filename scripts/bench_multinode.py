@@ -2,19 +2,22 @@
 decode server (`splitserve serve --role ...`) in two network namespaces
 (tests/integration/netns.py), NIXL over TCP only, the link between them limited by tc.
 
-Per transfer mode (the prefill server restarted for each: ``whole`` hands the KV over after the
-pass, ``layerwise`` streams it by layer during the pass, ``-fp8`` adds the fp8 encoding), link
-rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by default), prompts are
-sent one at a time from inside the decode node. The first token streams as soon as prefill
+Per transfer mode (both servers restarted for each: ``whole`` hands the KV over after the pass,
+``layerwise`` streams it by layer during the pass (decode pulls what prefill announces),
+``push`` has prefill WRITE each layer into blocks decode reserved, ``-fp8`` adds the fp8
+encoding), link rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by
+default), prompts are sent one at a time from inside the decode node. The first token streams as soon as prefill
 samples it; decoding starts once the KV is in, so what the transfer adds to the time a user
 waits is the first-to-second token gap less one decode step (the median gap between the
 request's later tokens; it asks for 8). Printed per cell: the prompt pass (prefill's own busy
 seconds per pass), TTFT, the added time and its fraction of the pass (medians), and the decode
-server's handoff time per request. With ``--stall``, a greedy stream runs meanwhile and the
-script prints its longest gap between tokens while each prompt's KV crosses. Needs root.
+server's handoff time per request (the time in its READs; none for ``push``). With
+``--stall``, a greedy stream runs meanwhile and the script prints its longest gap between
+tokens while each prompt's KV crosses. Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
-     [--modes whole,layerwise,layerwise-fp8] [--lengths 128,1024,4096] [--split-cores]
+     [--modes whole,layerwise,layerwise-fp8,push,push-fp8] [--lengths 128,1024,4096]
+     [--split-cores]
      [--prefill-param KEY=VALUE]
 """
 
@@ -44,13 +47,16 @@ LENGTHS = (128, 1024, 4096)
 MAX_MODEL_LEN = 4352
 TOKENS = 8
 """Tokens per timed request: the gaps after the second give its decode step."""
+FP8 = ["--kv-transfer-dtype", "fp8"]
 MODES = {
-    "whole": ["--no-kv-stream-layers"],
-    "whole-fp8": ["--no-kv-stream-layers", "--kv-transfer-dtype", "fp8"],
-    "layerwise": ["--kv-stream-layers"],
-    "layerwise-fp8": ["--kv-stream-layers", "--kv-transfer-dtype", "fp8"],
+    "whole": (["--no-kv-stream-layers"], []),
+    "whole-fp8": (["--no-kv-stream-layers", *FP8], []),
+    "layerwise": (["--kv-stream-layers"], []),
+    "layerwise-fp8": (["--kv-stream-layers", *FP8], []),
+    "push": (["--no-kv-stream-layers"], ["--kv-push"]),
+    "push-fp8": (["--no-kv-stream-layers", *FP8], ["--kv-push", *FP8]),
 }
-"""The prefill server's flags of each transfer mode."""
+"""The prefill and decode servers' flags of each transfer mode."""
 
 
 def checkpoint(name: str) -> str:
@@ -238,19 +244,21 @@ def main() -> None:
             decode_cores, prefill_cores = "1", "0"
             decode_args += ["--decode-cores", "1", "--server-cores", "1"]
             prefill_args += ["--prefill-cores", "0", "--server-cores", "0"]
-        with serving(decode, decode_args, work / "decode.log", decode_cores):
-            for mode in modes:
-                with serving(prefill, [*prefill_args, *MODES[mode]],
-                             work / f"prefill-{mode}.log", prefill_cores):  # fmt: skip
-                    for rate in parse_rates(args.rates):
-                        for node in cluster:
-                            netns.set_rate(node, rate)
-                        for length in lengths:
-                            rows.append(measure(cluster, mode, rate, length, fresh_prompts(length)))
-                            report(rows[-1])
-                        if args.stall:
-                            prompts = fresh_prompts(max(LENGTHS))
-                            rows.append(stall_row(decode, rate, prompts))
+        for mode in modes:
+            prefill_flags, decode_flags = MODES[mode]
+            with serving(decode, [*decode_args, *decode_flags],
+                         work / f"decode-{mode}.log", decode_cores), \
+                 serving(prefill, [*prefill_args, *prefill_flags],
+                         work / f"prefill-{mode}.log", prefill_cores):  # fmt: skip
+                for rate in parse_rates(args.rates):
+                    for node in cluster:
+                        netns.set_rate(node, rate)
+                    for length in lengths:
+                        rows.append(measure(cluster, mode, rate, length, fresh_prompts(length)))
+                        report(rows[-1])
+                    if args.stall:
+                        prompts = fresh_prompts(max(LENGTHS))
+                        rows.append(stall_row(decode, rate, prompts))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

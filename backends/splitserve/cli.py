@@ -103,6 +103,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         transport=args.transport,
         kv_transfer_dtype=args.kv_transfer_dtype,
         kv_stream_layers=args.kv_stream_layers,
+        kv_push=args.kv_push,
         key_file=args.key_file,
         advertise_host=args.advertise_host,
         **given,
@@ -178,6 +179,14 @@ def add_split_arguments(s: argparse.ArgumentParser) -> None:
         help="--role prefill: answer with the KV handle before the prompt pass and announce each "
         "layer as it is written, so decode servers pull the KV while the pass runs (default with "
         "nixl); --no-kv-stream-layers: the handle after the pass",
+    )
+    s.add_argument(
+        "--kv-push",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--role decode: reserve a prompt's blocks before calling prefill, which WRITEs each "
+        "layer into them as its pass writes it and answers once all are in (no per-layer "
+        "announcement or pull); --no-kv-push (default): pull prefill's handle",
     )
     s.add_argument(
         "--key-file",

@@ -6,8 +6,8 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py load GRPC_URL N MAX_TOKENS TIMEOUT_S [PROMPT_WORDS]
     multinode_client.py cancel GRPC_URL PROMPT
     multinode_client.py gauges METRICS_URL
-    multinode_client.py midstream GRPC_URL METRICS_URL PROMPT MAX_TOKENS  (prints "pulling" once
-                                                          the request's first layers arrived)
+    multinode_client.py midstream GRPC_URL METRICS_URL PROMPT MAX_TOKENS [METRIC]  (prints
+                          "pulling" once the request's first layers moved: METRIC grew)
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
     multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: seconds to tokens 1-3)
     multinode_client.py stall GRPC_URL PROMPT PROMPTS_JSON  (a stream's longest token gap while
@@ -65,10 +65,16 @@ def load(url: str, n: int, max_tokens: int, timeout_s: float, words: int) -> lis
     return results
 
 
-def midstream(url: str, metrics_url: str, prompt: str, max_tokens: int) -> Any:
-    """A greedy request; once decode has pulled layers of it (its prefill still running),
-    print ``pulling`` (the caller then acts on the prefill server), then return its result."""
-    key = "splitserve_kv_streamed_layers_total|llm"
+def midstream(
+    url: str,
+    metrics_url: str,
+    prompt: str,
+    max_tokens: int,
+    key: str = "splitserve_kv_streamed_layers_total|llm",
+) -> Any:
+    """A greedy request; once layers of it moved (``key`` at ``metrics_url`` grew: decode
+    pulled some, or prefill pushed some, its pass still running), print ``pulling`` (the caller
+    then acts on the prefill server), then return its result."""
     before = gauges(metrics_url).get(key, 0.0)
     result: list[Any] = []
     thread = threading.Thread(
@@ -199,7 +205,7 @@ def main(argv: list[str]) -> Any:
     if cmd == "cancel":
         return cancel(args[0], args[1])
     if cmd == "midstream":
-        return midstream(args[0], args[1], args[2], int(args[3]))
+        return midstream(args[0], args[1], args[2], int(args[3]), *args[4:5])
     if cmd == "gauges":
         return gauges(args[0])
     if cmd == "timing":

@@ -88,7 +88,7 @@ def test_a_target_of_fewer_blocks_takes_the_prompts_last_ones(pair):
 
 
 def test_bad_targets_are_refused_before_anything_is_written(pair):
-    pre, src, dec, dst = pair
+    pre, _, dec, dst = pair
     target = dec.push_target([1, 2], num_tokens=8)
     h = decode_handle(target, KEY)
     with pytest.raises(InvalidHandle, match="MAC"):
@@ -148,7 +148,7 @@ def test_fp8_pushes_travel_encoded_and_are_decoded_on_arrival():
 
 
 def test_a_failed_pushs_blocks_wait_for_its_settled_notice(pair):
-    pre, src, dec, dst = pair
+    pre, _, dec, dst = pair
     free = dst.allocator.num_free
     blocks = dst.allocator.allocate(2)
     target = dec.push_target(blocks, num_tokens=8)
@@ -183,7 +183,7 @@ def test_a_settled_notice_before_the_failure_frees_at_once():
 
 
 def test_nothing_is_written_after_the_target_expired(pair):
-    pre, src, dec, dst = pair
+    pre, _, dec, dst = pair
     target = dec.push_target([2], num_tokens=4)
     h = decode_handle(target, KEY)
     short = encode_handle(replace(h, expiry=time.time() + 0.3), KEY)

@@ -72,6 +72,7 @@ class ServeOptions:
     transport: str | None = None
     kv_transfer_dtype: str | None = None
     kv_stream_layers: bool | None = None
+    kv_push: bool | None = None
     key_file: str | None = None
     advertise_host: str | None = None
 
@@ -96,6 +97,8 @@ def _split_settings(opts: ServeOptions) -> tuple[dict[str, Any], dict[str, Any]]
         decode["prefill_urls"] = ",".join(opts.prefill_urls)
     if opts.prefill_dns is not None:
         decode["prefill_dns"] = opts.prefill_dns
+    if opts.kv_push is not None:
+        decode["kv_push"] = opts.kv_push
     return shared, decode
 
 

@@ -15,6 +15,9 @@ INPUT_IDS = "input_ids"
 PARAMS = "sampling_parameters"
 SEED = "seed"
 REQUEST_ID = "request_id"
+KV_TARGET = "kv_target"
+"""Optional: a push target (``transport.nixl_push``) naming the caller's blocks that prefill
+WRITEs the KV into, layer by layer; the answer then carries the target as its handle."""
 # prefill outputs
 FIRST_TOKEN = "first_token"
 KV_HANDLE = "kv_handle"

@@ -19,6 +19,9 @@ class PrefillCall:
     request_id: str
     auth: str
     """``bls_contract.auth_tag`` of ``request_id``: prefill refuses calls without it."""
+    kv_target: bytes | None = None
+    """Where prefill pushes the KV (``serving.layer_push``): blocks reserved by the caller;
+    the reply's handle is then this target, and the KV is in once the reply came."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,8 @@ class PrefillFailed(RuntimeError):
     ) -> None:
         super().__init__(message)
         self.streamed = streamed
-        """The handle had gone to the listener: the pass failed midway (never retried)."""
+        """The handle had gone to the listener, or the call pushed into the caller's blocks:
+        the pass failed midway (never retried)."""
         self.pool_full = pool_full
         """Prefill said its KV pool is full now: the caller backs off and calls again."""
         self.retryable = retryable

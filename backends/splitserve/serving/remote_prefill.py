@@ -17,7 +17,9 @@ the call is then a ``stream_infer`` whose first response gives the handle (to th
 listener), later ones the written-layer counts, the last the first token. Which kind a server
 is, is read from its model config at the first call (again after it failed or refused a call
 of the other kind: a server restarted with the other setting). Once the handle
-went to the listener the call is not retried: a failure then ends the request.
+went to the listener the call is not retried: a failure then ends the request. Nor is a call
+that carries a push target (``kv_target``) retried after its server failed: that server may
+have written into the target's blocks, and may still.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def connect_grpc(server: str) -> Any:
 
 def prefill_inputs(call: PrefillCall) -> list[Any]:
     """The ``prefill`` model's input tensors of ``call`` (``bls_contract`` names)."""
-    values = (
+    values: list[tuple[str, np.ndarray, str]] = [
         (bls_contract.INPUT_IDS, np.array([call.prompt_ids], dtype=np.int64), "INT64"),
         (bls_contract.PARAMS, np.array([[call.params_json]], dtype=np.object_), "BYTES"),
         (bls_contract.SEED, np.array([[call.seed]], dtype=np.uint64), "UINT64"),
@@ -118,7 +120,10 @@ def prefill_inputs(call: PrefillCall) -> list[Any]:
             np.array([[call.request_id.encode()]], dtype=np.object_),
             "BYTES",
         ),
-    )
+    ]
+    if call.kv_target is not None:
+        target = np.frombuffer(call.kv_target, dtype=np.uint8)[None, :]
+        values.append((bls_contract.KV_TARGET, target, "UINT8"))
     inputs = []
     for name, array, datatype in values:
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
@@ -233,10 +238,14 @@ class RemotePrefillClient(PrefillClient):
             try:
                 return await self._call(server, call, inputs, listener)
             except PrefillFailed as exc:
+                if exc.retryable and call.kv_target is not None:
+                    # It may have WRITten into the target's blocks and may write on: another
+                    # server's push there could be overwritten. The request ends instead.
+                    exc = PrefillFailed(f"{exc} (the prompt's KV push is dropped)", streamed=True)
                 if not exc.retryable:
                     self._counts["failures"] += 1
                     self._counts["pool_full"] += exc.pool_full
-                    raise
+                    raise exc from None
                 failure = exc
         self._counts["failures"] += 1
         if failure is None:

@@ -91,6 +91,11 @@ class ServingConfig:
     """With ``kv_stream_layers``: prompts shorter than this are answered whole, after the pass
     (their transfer is short, and streaming's per-layer work lengthened short passes:
     BENCHMARKS.md, "Layer-wise KV streaming")."""
+    kv_push: bool = False
+    """Decode servers (``--role decode``, ``nixl``): reserve a prompt's blocks before calling
+    prefill and let prefill WRITE each layer into them as its pass writes it, answering once all
+    are in (``serving.layer_push``): no handle to pull, no per-layer announcement. Prefill's
+    fp8 pushes need ``kv_transfer_dtype=fp8`` here too (they land in a wire copy)."""
     kv_load_failure_policy: str = "recompute"
     """Decode, when a handed-over request's KV cannot be pulled (lease expired, owner gone,
     transfer past its deadline): ``recompute`` its prompt here, or ``fail`` it with
@@ -128,6 +133,10 @@ class ServingConfig:
             raise ValueError("kv_stream_min_tokens must be >= 0")
         if self.kv_stream_layers and self.transport != "nixl":
             raise ValueError("kv_stream_layers needs transport nixl (KV across machines)")
+        if self.kv_push and (self.transport != "nixl" or not self.remote_prefill):
+            raise ValueError(
+                "kv_push applies to decode servers with remote prefill over nixl (--role decode)"
+            )
         if self.kv_load_failure_policy not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {HANDOFF_FAILURE_POLICIES}, "
@@ -177,6 +186,7 @@ class ServingConfig:
             options["advertise_host"] = self.advertise_host or None
             options["transfer_timeout_s"] = self.kv_transfer_timeout_s
             options["transfer_dtype"] = self.kv_transfer_dtype
+            options["accept_pushes"] = self.kv_push
             # A reader gives a READ up at its transfer timeout, so an owner whose reader died
             # mid-read need not keep the blocks for the default minute.
             options["pull_ttl_s"] = self.kv_transfer_timeout_s + PULL_MARGIN_S

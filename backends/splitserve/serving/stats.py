@@ -29,6 +29,8 @@ GAUGES = {
     "kv_handoff_failures": "Handed-over requests whose KV could not be pulled: recomputed here "
     "or ended with UNAVAILABLE, per kv_load_failure_policy (non-zero means the transport is "
     "failing)",
+    "kv_blocks_quarantined": "KV blocks of failed pushes (kv_push) held out of the pool until "
+    "no WRITE of prefill can still land in them",
     "engine_borrow_off_sizes": "Batch sizes (1-8, then power-of-two buckets) at which decode "
     "does not borrow prefill's idle cores, because its borrowed steps there were not faster "
     "than its own-core steps",
@@ -47,6 +49,14 @@ COUNTERS = {
     "kv_streamed_layers_total": "Layers of KV pulled as their prompt pass announced them",
     "kv_stream_wait_seconds_total": "Seconds streamed pulls waited for prefill to write the "
     "next layer (the pull had caught up with the pass; no decode step waits for it)",
+    "kv_pushed_requests_total": "Handed-over requests whose KV prefill pushed into blocks "
+    "this instance reserved (kv_push)",
+    "kv_push_failures_total": "Pushed requests whose push failed or whose request ended "
+    "before it was in",
+    "kv_pushed_bytes_total": "Bytes of KV this prefill instance WRITEs into decode's blocks, "
+    "as they cross the network",
+    "kv_pushed_layers_total": "Layer WRITEs this prefill instance posted",
+    "kv_push_post_seconds_total": "Seconds the prompt pass spent posting its pushes' WRITEs",
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
     "(then kv_load_failure_policy applies)",
     "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
@@ -231,6 +241,11 @@ TRANSPORT_COUNTERS = {
     "streamed_requests": ("kv_streamed_requests_total", 1.0),
     "streamed_layers": ("kv_streamed_layers_total", 1.0),
     "stream_wait_ns": ("kv_stream_wait_seconds_total", 1e-9),
+    "pushes": ("kv_pushed_requests_total", 1.0),
+    "push_failures": ("kv_push_failures_total", 1.0),
+    "pushed_bytes": ("kv_pushed_bytes_total", 1.0),
+    "pushed_layers": ("kv_pushed_layers_total", 1.0),
+    "push_ns": ("kv_push_post_seconds_total", 1e-9),
     "prefill_calls": ("prefill_calls_total", 1.0),
     "prefill_failovers": ("prefill_failovers_total", 1.0),
     "prefill_routed_by_prefix": ("prefill_routed_by_prefix_total", 1.0),
@@ -260,4 +275,7 @@ def record_transport(stats: InstanceStats, counts: dict[str, int]) -> dict[str, 
     for key, (name, scale) in TRANSPORT_COUNTERS.items():
         if key in counts:
             stats.set_total(name, counts[key] * scale)
-    return {"leases_outstanding": float(counts.get("outstanding", 0))}
+    gauges = {"leases_outstanding": float(counts.get("outstanding", 0))}
+    if "quarantined_blocks" in counts:
+        gauges["kv_blocks_quarantined"] = float(counts["quarantined_blocks"])
+    return gauges

@@ -32,7 +32,10 @@ class BlsPrefillClient(PrefillClient):
         self, call: PrefillCall, listener: StreamListener | None = None
     ) -> PrefillReply:
         """The local ``prefill`` model never streams (``kv_stream_layers`` is for prefill
-        servers): ``listener`` hears nothing."""
+        servers): ``listener`` hears nothing. Nor does it push (``kv_push`` needs prefill
+        servers)."""
+        if call.kv_target is not None:
+            raise PrefillFailed("KV pushes (kv_push) need remote prefill servers")
         inputs = [
             pb_utils.Tensor(bls_contract.INPUT_IDS, np.array([call.prompt_ids], dtype=np.int64)),
             pb_utils.Tensor(bls_contract.PARAMS, np.array([[call.params_json]], dtype=np.object_)),

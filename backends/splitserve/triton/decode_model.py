@@ -15,14 +15,15 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitserve.engine.request import random_seed
 from splitserve.kv.pool import KVPool
 from splitserve.serving import bls_contract
 from splitserve.serving.frontend import Prepared
+from splitserve.serving.layer_push import PushedKV, RequestEnded
 from splitserve.serving.layer_stream import LayerStream, StreamCounts
-from splitserve.serving.loop import TIMED_OUT
+from splitserve.serving.loop import TIMED_OUT, EngineLoop
 from splitserve.serving.prefill_client import (
     PrefillCall,
     PrefillClient,
@@ -34,6 +35,9 @@ from splitserve.transport.key import load_key
 from splitserve.triton.bls_prefill import BlsPrefillClient
 from splitserve.triton.sink import TritonSink
 from splitserve.triton.streaming_model import GenerateModelBase
+
+if TYPE_CHECKING:
+    from splitserve.transport.nixl import NixlTransport
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +57,24 @@ class DecodeModel(GenerateModelBase):
         self.transport = get_transport(
             self.cfg.transport, key=self.key, **self.cfg.transport_options()
         )
+        self.pushes: NixlTransport | None = None
+        """The transport, where prefill pushes the KV into blocks reserved here (``kv_push``)."""
+        if self.cfg.kv_push:
+            from splitserve.transport.nixl import NixlTransport
+
+            assert isinstance(self.transport, NixlTransport)  # kv_push needs nixl (config)
+            self.pushes = self.transport
         pool = self.parts.new_pool()
         self.transport.register(pool)
         self.num_layers = pool.layout.num_layers
         self.stream_counts = StreamCounts()
         self.prefill_client = self._prefill_client()
         return pool
+
+    def _after_step(self, loop: EngineLoop) -> None:
+        super()._after_step(loop)
+        if self.pushes is not None:
+            self.pushes.reap_pushes()  # blocks of failed pushes that nothing writes any more
 
     def make_puller(self) -> Executor | None:
         # A pull over the network lasts up to kv_transfer_timeout_s: off the engine thread, so
@@ -92,6 +108,9 @@ class DecodeModel(GenerateModelBase):
         prep, sink, rid = taken
         handle = b""
         seed = prep.gen.params.seed if prep.gen.params.seed is not None else random_seed()
+        if self.pushes is not None:
+            await self._pushed(request, rid, prep, seed, sink)
+            return
         handoff = _Handoff(self, rid, prep, seed, sink)
         try:
             prefilled = await self._prefill(request, rid, prep, seed, handoff)
@@ -115,8 +134,52 @@ class DecodeModel(GenerateModelBase):
                 self.transport.release(handle)
             handoff.fail(f"internal error: {exc}", "internal")
 
+    async def _pushed(
+        self, request: Any, rid: str, prep: Prepared, seed: int, sink: TritonSink
+    ) -> None:
+        """The request enters the engine first; once its blocks are reserved, prefill is called
+        with a target naming them and pushes the KV there (``serving.layer_push``)."""
+        assert self.pushes is not None  # kv_push
+        source = PushedKV(
+            self.pushes,
+            len(prep.prompt_ids),
+            self.cfg.engine.block_size,
+            asyncio.get_running_loop(),
+        )
+        params = prep.gen.params
+        self.loop.add_streaming(rid, prep.prompt_ids, params, seed, source, sink, prep.deadline)
+        try:
+            target = await source.target()
+        except RequestEnded:
+            return  # the engine ended it (cancelled, past its deadline) and told the client
+        try:
+            prefilled = await self._prefill(request, rid, prep, seed, None, target)
+        except PrefillError as exc:
+            source.failed(str(exc))
+            self.loop.fail_request(rid, str(exc), exc.kind)
+            return
+        except Exception as exc:  # every request must end with FINAL, whatever went wrong
+            log.exception("request %s failed before decode", rid)
+            source.failed(f"internal error: {exc}")
+            self.loop.fail_request(rid, f"internal error: {exc}", "internal")
+            return
+        if prefilled is None:
+            source.failed("the client cancelled")  # the loop ends the request (it polls)
+            return
+        first, handle = prefilled
+        if target is None:
+            self.transport.release(handle)  # every block cached here: nothing to fetch
+        source.arrived()
+        self.loop.first_token(rid, first)
+
     async def _prefill(
-        self, request: Any, rid: str, prep: Prepared, seed: int, handoff: _Handoff
+        self,
+        request: Any,
+        rid: str,
+        prep: Prepared,
+        seed: int,
+        handoff: _Handoff | None,
+        target: bytes | None = None,
     ) -> tuple[int, bytes] | None:
         """The first token and KV handle from prefill, retried while its pool is full; None
         (and no lease held) if the client cancelled meanwhile. PrefillError once the request's
@@ -127,6 +190,7 @@ class DecodeModel(GenerateModelBase):
             seed=seed,
             request_id=rid,
             auth=bls_contract.auth_tag(self.key, rid),
+            kv_target=target,
         )
         retry_until = time.monotonic() + self.cfg.prefill_retry_s
         delay = 0.005
@@ -150,13 +214,13 @@ class DecodeModel(GenerateModelBase):
                 return None
             delay = min(delay * 2, 0.2)
         if reply is None or request.is_cancelled():
-            if reply is not None and not reply.streamed:
+            if reply is not None and not reply.streamed and target is None:
                 self.transport.release(reply.kv_handle)
             return None
         return reply.first_token, reply.kv_handle
 
     async def _call_prefill(
-        self, request: Any, call: PrefillCall, deadline: float | None, handoff: _Handoff
+        self, request: Any, call: PrefillCall, deadline: float | None, handoff: _Handoff | None
     ) -> PrefillReply | None:
         """One prefill call, waited for until ``deadline`` while the client is still there.
         None if the client cancelled: the call is cancelled (a remote one stops; a BLS one runs

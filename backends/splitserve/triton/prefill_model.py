@@ -24,6 +24,7 @@ from splitserve.serving.stats import InstanceStats, record_kv_pool, record_trans
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
 from splitserve.triton.metrics import InstanceMetrics, MetricsRefresher
+from splitserve.triton.prefill_push import PassPushes, target_of
 from splitserve.triton.prefill_stream import (
     LayerAnnouncer,
     handle_response,
@@ -131,11 +132,14 @@ class PrefillModel:
         senders = [r.get_response_sender() for r in requests] if self.streams else []
         responses: list[Any] = [None] * len(requests)
         batch: list[tuple[int, Request]] = []
+        targets: dict[int, bytes] = {}
         free = self.engine.allocator.num_free
         for i, request in enumerate(requests):
             try:
                 req = _parse(request, self.key)
                 self.engine.check(req)
+                if (target := target_of(request)) is not None:
+                    targets[i] = target
             except ValueError as exc:
                 self.stats.error("invalid")
                 responses[i] = error_response(str(exc))
@@ -152,9 +156,9 @@ class PrefillModel:
             batch.append((i, req))
         if batch:
             if self.streams:
-                self._stream(batch, [senders[i] for i, _ in batch], responses)
+                self._stream(batch, [senders[i] for i, _ in batch], responses, targets)
             else:
-                self._run(batch, responses)
+                self._run(batch, responses, targets)
             self.heap.maybe_trim()
         if not self.streams:
             return responses
@@ -179,21 +183,45 @@ class PrefillModel:
             self.stats.error("internal")
             responses[i] = error_response(f"prefill failed: {exc}", pb_utils.TritonError.INTERNAL)
 
-    def _run(self, batch: list[tuple[int, Request]], responses: list[Any]) -> None:
+    def _run(
+        self, batch: list[tuple[int, Request]], responses: list[Any], targets: dict[int, bytes]
+    ) -> None:
         reqs = [r for _, r in batch]
         try:
             self.engine.allocate(reqs)  # frees what it took if it fails
         except Exception as exc:
             self._failed(batch, responses, exc)
             return
+        pushes = self._open_pushes(batch, targets, responses)
+        batch = [(i, r) for i, r in batch if responses[i] is None]
+        reqs = [r for _, r in batch]
         try:
-            first = self._timed(reqs, lambda: self.engine.run(reqs))
+            hook = pushes.written if pushes else None
+            first = self._timed(reqs, lambda: self.engine.run(reqs, hook))
         except Exception as exc:
+            pushes.finish()
             self._failed(batch, responses, exc)
             for req in reqs:
                 self.engine.free(req)
             return
-        self._answer(batch, first, set(), responses)
+        self._answer(batch, first, set(), responses, pushes)
+
+    def _open_pushes(
+        self, batch: list[tuple[int, Request]], targets: dict[int, bytes], responses: list[Any]
+    ) -> PassPushes:
+        """The pushes of the batch's requests that came with a target; a request whose target
+        cannot be pushed into is answered with the error now (its blocks freed)."""
+        pushes = PassPushes(self.transport, self.pool.device)
+        for i, req in batch:
+            if i not in targets:
+                continue
+            try:
+                pushes.open(i, targets[i], req)
+            except ValueError as exc:  # InvalidHandle too
+                self.stats.error("invalid")
+                responses[i] = error_response(f"{bls_contract.KV_TARGET}: {exc}")
+                self.engine.free(req)
+        return pushes
 
     def _answer(
         self,
@@ -201,13 +229,25 @@ class PrefillModel:
         first: list[int],
         streamed: set[int],
         responses: list[Any],
+        pushes: PassPushes,
     ) -> None:
         """Each request's first token: with its handle where its KV is answered whole (leased
-        now), alone where it streamed (leased before the pass). Once a lease cannot be made,
+        now), alone where it streamed (leased before the pass), with its target where it was
+        pushed (once all its WRITEs are done; its blocks freed). Once a lease cannot be made,
         the batch's later whole answers fail too and free their blocks."""
         layers = self.pool.layout.num_layers
+        pushed = pushes.finish()
         failure: Exception | None = None
         for k, ((i, req), token) in enumerate(zip(batch, first, strict=True)):
+            if i in pushed:
+                why = pushed[i]
+                if why is None:
+                    responses[i] = pushes.response(i, token)
+                else:
+                    self.stats.error("internal")
+                    responses[i] = error_response(why, pb_utils.TritonError.INTERNAL)
+                self.engine.free(req)
+                continue
             if k in streamed:
                 responses[i] = token_response(token, layers)
                 continue
@@ -231,19 +271,31 @@ class PrefillModel:
         )
 
     def _stream(
-        self, batch: list[tuple[int, Request]], senders: list[Any], responses: list[Any]
+        self,
+        batch: list[tuple[int, Request]],
+        senders: list[Any],
+        responses: list[Any],
+        targets: dict[int, bytes],
     ) -> None:
         """Lease the blocks and answer with their handles before the pass; announce each layer
         as it is written; the first tokens go into ``responses`` (sent FINAL by the caller).
-        Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass."""
+        Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass; those
+        with a target are pushed."""
+        try:
+            self.engine.allocate([r for _, r in batch])  # frees what it took if it fails
+        except Exception as exc:
+            self._failed(batch, responses, exc)
+            return
+        pushes = self._open_pushes(batch, targets, responses)
+        kept = [k for k, (i, _) in enumerate(batch) if responses[i] is None]
+        batch, senders = [batch[k] for k in kept], [senders[k] for k in kept]
         reqs = [r for _, r in batch]
         held: list[list[int]] = []
         handles: dict[int, bytes] = {}
         announcer: LayerAnnouncer | None = None
         try:
-            self.engine.allocate(reqs)  # inside: whatever fails below frees what it took
-            for k, r in enumerate(reqs):
-                if len(r.prompt_ids) < self.stream_min_tokens:
+            for k, (i, r) in enumerate(batch):
+                if i in pushes or len(r.prompt_ids) < self.stream_min_tokens:
                     continue
                 # The pass keeps its own reference to the streamed blocks (one per request:
                 # requests may share cached blocks): a reader may release the lease, and so
@@ -260,11 +312,16 @@ class PrefillModel:
             announce = announcer.written
 
             def hook(layer: int) -> None:
-                self.transport.publish_layers(blocks, range(layer, layer + 1))
-                announce(layer + 1)
+                if handles:
+                    self.transport.publish_layers(blocks, range(layer, layer + 1))
+                    announce(layer + 1)
+                if pushes:
+                    pushes.written(layer)
 
-            first = self._timed(reqs, lambda: self.engine.run(reqs, hook if handles else None))
+            run_hook = hook if handles or pushes else None
+            first = self._timed(reqs, lambda: self.engine.run(reqs, run_hook))
         except Exception as exc:
+            pushes.finish()
             self._failed(batch, responses, exc)
             for handle in handles.values():  # the leases own those blocks: releasing frees them
                 self.transport.release(handle)
@@ -277,7 +334,7 @@ class PrefillModel:
                 announcer.close()
             for ids in held:
                 self.engine.allocator.free(ids)
-        self._answer(batch, first, set(handles), responses)
+        self._answer(batch, first, set(handles), responses, pushes)
 
     def finalize(self) -> None:
         self.refresher.stop()
