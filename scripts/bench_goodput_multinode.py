@@ -2,9 +2,9 @@
 server (`splitserve serve --role ...`) in two network namespaces (tests/integration/netns.py),
 NIXL over TCP, the link between them limited by tc (1 Gbit/s by default).
 
-The decode server stays up for the whole run; the prefill server is restarted per transfer mode
-(``whole``: KV after the pass, ``layerwise``: streamed by layer during it, ``layerwise-fp8``:
-streamed and fp8-encoded). Per mode and workload, `splitserve bench --goodput` runs against
+Both servers are restarted per transfer mode (``whole``: KV after the pass, ``layerwise``:
+streamed by layer during it, ``push``: written by prefill into blocks decode reserved, as each
+layer is; ``-fp8``: fp8-encoded). Per mode and workload, `splitserve bench --goodput` runs against
 ``llm`` from inside the decode namespace (open loop, the workload's length mix). Both servers
 share this machine's cores: prefill computes on ``--prefill-cores`` (default 0), decode on
 ``--decode-cores`` (default 1), the split `llm` uses on one server. Printed: a table per workload
@@ -13,7 +13,7 @@ request over the whole search); written under ``--out``: each run's report, ``su
 ``goodput_<workload>.png`` (attainment vs rate, one curve per mode). Needs root.
 
 Run: python scripts/bench_goodput_multinode.py --out out/goodput_multinode [--rate-gbit 1]
-     [--modes whole,layerwise,layerwise-fp8] [--workloads chatbot,summarization]
+     [--modes whole,layerwise,layerwise-fp8,push] [--workloads chatbot,summarization]
      [-- <extra `splitserve bench` flags, e.g. --max-probes 4 --ttft-slo 3 --tpot-slo 0.1>]
 """
 
@@ -134,25 +134,26 @@ def main() -> None:
         decode_args = [*common, "--role", "decode", "--decode-cores", args.decode_cores,
                        "--advertise-host", decode.address,
                        f"--prefill-url={prefill.address}:8001"]  # fmt: skip
-        with serving(decode, decode_args, work / "decode.log"):
-            for mode in modes:
-                print(f"\n== {mode} (prefill restarted) ==", flush=True)
-                with serving(prefill, [*common, "--role", "prefill", "--prefill-cores",
-                                       args.prefill_cores, "--advertise-host", prefill.address,
-                                       *MODES[mode]], work / f"prefill-{mode}.log"):  # fmt: skip
-                    for workload in workloads:
-                        print(f"-- {workload}, {mode}", flush=True)
-                        report = args.out / f"{workload}-{mode}.json"
-                        before = counters(decode, "llm", *HANDOFF)
-                        summary = bench(decode, model, workload, report, extra)
-                        after = counters(decode, "llm", *HANDOFF)
-                        rows[workload].append({
-                            "mode": mode,
-                            "rate_gbit": args.rate_gbit,
-                            "summary": summary,
-                            "handoff_s": per_event(before, after),
-                            "report": str(report),
-                        })  # fmt: skip
+        for mode in modes:
+            print(f"\n== {mode} (both servers restarted) ==", flush=True)
+            prefill_flags, decode_flags = MODES[mode]
+            with serving(decode, [*decode_args, *decode_flags], work / f"decode-{mode}.log"), \
+                 serving(prefill, [*common, "--role", "prefill", "--prefill-cores",
+                                   args.prefill_cores, "--advertise-host", prefill.address,
+                                   *prefill_flags], work / f"prefill-{mode}.log"):  # fmt: skip
+                for workload in workloads:
+                    print(f"-- {workload}, {mode}", flush=True)
+                    report = args.out / f"{workload}-{mode}.json"
+                    before = counters(decode, "llm", *HANDOFF)
+                    summary = bench(decode, model, workload, report, extra)
+                    after = counters(decode, "llm", *HANDOFF)
+                    rows[workload].append({
+                        "mode": mode,
+                        "rate_gbit": args.rate_gbit,
+                        "summary": summary,
+                        "handoff_s": per_event(before, after),
+                        "report": str(report),
+                    })  # fmt: skip
     for workload, got in rows.items():
         table(workload, got)
         plot(workload, got, args.out)

@@ -6,7 +6,8 @@ Per transfer mode (both servers restarted for each: ``whole`` hands the KV over 
 ``layerwise`` streams it by layer during the pass (decode pulls what prefill announces),
 ``push`` has prefill WRITE each layer into blocks decode reserved, ``-fp8`` adds the fp8
 encoding), link rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by
-default), prompts are sent one at a time from inside the decode node. The first token streams as soon as prefill
+default), prompts are sent one at a time from inside the decode node. The first token streams
+as soon as prefill
 samples it; decoding starts once the KV is in, so what the transfer adds to the time a user
 waits is the first-to-second token gap less one decode step (the median gap between the
 request's later tokens; it asks for 8). Printed per cell: the prompt pass (prefill's own busy
@@ -232,11 +233,13 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with netns.Cluster(("prefill0", "decode")) as cluster:
         prefill, decode = cluster["prefill0"], cluster["decode"]
-        # A 4k prompt's KV takes ~8 s at 0.05 Gbit/s: the pull deadline (10 s) must not bind.
+        # A 4k prompt's KV takes ~8 s at 0.05 Gbit/s: the transfer deadline (10 s) of a pull or
+        # a push must not bind.
         decode_args = [*common, "--role", "decode", "--advertise-host", decode.address,
                        f"--prefill-url={prefill.address}:8001",
                        "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
-        prefill_args = [*common, "--role", "prefill", "--advertise-host", prefill.address]
+        prefill_args = [*common, "--role", "prefill", "--advertise-host", prefill.address,
+                        "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
         for item in args.prefill_param:
             prefill_args += ["--param", item]
         decode_cores = prefill_cores = None

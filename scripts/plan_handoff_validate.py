@@ -47,8 +47,9 @@ def predict(
     """What the planner charges one request of ``row``'s cell, unloaded."""
     encoding = "fp8" if row["mode"].endswith("fp8") else "raw"
     handoff = link_fit(link, row["rate_gbit"], encoding)
-    if row["mode"].startswith("layerwise"):
-        least = ServingConfig.kv_stream_min_tokens  # the bench's prefill servers' default
+    if row["mode"].startswith(("layerwise", "push")):
+        # The bench's prefill servers' default threshold; pushes move every prompt by layer.
+        least = 0 if row["mode"].startswith("push") else ServingConfig.kv_stream_min_tokens
         handoff = replace(handoff, stream_layers=layers, stream_min_tokens=least)
     model = step_model(replace(profile, handoff=handoff), Role(1, cores))
     tokens = int(row["tokens"])

@@ -31,9 +31,13 @@ class Cell:
     @classmethod
     def from_row(cls, row: dict[str, Any], stream_min_tokens: int) -> Cell:
         """A ``bench_multinode.py`` row; its prompt streamed if its mode is ``layerwise*``
-        and it is no shorter than the prefill server's ``kv_stream_min_tokens``."""
+        and it is no shorter than the prefill server's ``kv_stream_min_tokens``, or ``push*``
+        (every pushed prompt moves by layer)."""
         tokens = int(row["tokens"])
-        streamed = str(row["mode"]).startswith("layerwise") and tokens >= stream_min_tokens
+        mode = str(row["mode"])
+        streamed = mode.startswith("push") or (
+            mode.startswith("layerwise") and tokens >= stream_min_tokens
+        )
         return cls(tokens, streamed, float(row["pass_s"]), float(row["ttft_s"]))
 
 
