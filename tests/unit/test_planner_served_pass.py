@@ -41,3 +41,5 @@ def test_cells_from_bench_rows_stream_by_mode_and_threshold() -> None:
     assert not Cell.from_row(row, 256).streamed
     assert Cell.from_row({**row, "tokens": 1024}, 256).streamed
     assert not Cell.from_row({**row, "mode": "whole", "tokens": 1024}, 256).streamed
+    # Pushes move every prompt by layer, whatever the pull threshold.
+    assert Cell.from_row({**row, "mode": "push"}, 256).streamed

@@ -6,7 +6,9 @@ gRPC to the prefill servers of ``--role decode``), stream the first token, hand 
 on a thread of its own, while the batch keeps stepping) and streams every further token straight
 to the client. A prefill server that streams its KV by layer answers with the handle before its
 pass: the request then enters the engine at once, its layers are pulled as they are written,
-and its first token follows when the pass ends (``serving.layer_stream``).
+and its first token follows when the pass ends (``serving.layer_stream``). With ``kv_push``
+the request enters the engine first and prefill WRITEs the KV into the blocks it reserved
+(``serving.layer_push``).
 """
 
 from __future__ import annotations
@@ -169,6 +171,12 @@ class DecodeModel(GenerateModelBase):
         first, handle = prefilled
         if target is None:
             self.transport.release(handle)  # every block cached here: nothing to fetch
+        elif handle != target:  # a prefill that did not push (it leased the KV instead)
+            self.transport.release(handle)
+            why = "the prefill server answered a push with a handle of its own"
+            source.failed(why)
+            self.loop.fail_request(rid, why, "internal")
+            return
         source.arrived()
         self.loop.first_token(rid, first)
 
