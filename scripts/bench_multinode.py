@@ -7,14 +7,15 @@ Per transfer mode (both servers restarted for each: ``whole`` hands the KV over 
 ``push`` has prefill WRITE each layer into blocks decode reserved, ``-fp8`` adds the fp8
 encoding), link rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by
 default), prompts are sent one at a time from inside the decode node. The first token streams
-as soon as prefill
-samples it; decoding starts once the KV is in, so what the transfer adds to the time a user
-waits is the first-to-second token gap less one decode step (the median gap between the
-request's later tokens; it asks for 8). Printed per cell: the prompt pass (prefill's own busy
-seconds per pass), TTFT, the added time and its fraction of the pass (medians), and the decode
-server's handoff time per request (the time in its READs; none for ``push``). With
-``--stall``, a greedy stream runs meanwhile and the script prints its longest gap between
-tokens while each prompt's KV crosses. Needs root.
+as soon as prefill samples it; decoding starts once the KV is in, so what the transfer adds to
+the time a user waits is the first-to-second token gap less one decode step (the median gap
+between the request's later tokens; it asks for 8). A push's first token waits for its KV: for
+``push`` the added time also counts the mean time prefill's answers waited for their last
+WRITEs after the pass. Printed per cell: the prompt pass (prefill's own busy seconds per pass),
+TTFT, the added time and its fraction of the pass (medians), and the decode server's handoff
+time per request (the time in its READs; none for ``push``). With ``--stall``, a greedy stream
+runs meanwhile and the script prints its longest gap between tokens while each prompt's KV
+crosses. Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
      [--modes whole,layerwise,layerwise-fp8,push,push-fp8] [--lengths 128,1024,4096]
@@ -145,13 +146,26 @@ def measure(
     prefill, decode = cluster["prefill0"], cluster["decode"]
     busy = ("engine_busy_seconds_total", "engine_steps_total")
     handoff = ("kv_handoff_seconds_total", "kv_handoffs_total")
-    before = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
+    pushed = ("kv_push_wait_seconds_total", "kv_pushes_sent_total")
+
+    def read() -> tuple[list[float], list[float], list[float]]:
+        return (
+            counters(prefill, "prefill", *busy),
+            counters(decode, "llm", *handoff),
+            counters(prefill, "prefill", *pushed),
+        )
+
+    before = read()
     stamps = run_client(decode, "timing", "127.0.0.1:8001", str(prompts), str(TOKENS))[1:]
-    after = counters(prefill, "prefill", *busy), counters(decode, "llm", *handoff)
+    after = read()
     # A decode step: the median gap after the second token. One gap alone misleads: two
     # responses sometimes reach the client together, a gap of ~0.
     steps = [statistics.median(b - a for a, b in itertools.pairwise(t[1:])) for t in stamps]
     added = statistics.median(t[1] - t[0] - step for t, step in zip(stamps, steps, strict=True))
+    # A push's answer (and so its first token) waits for its last WRITEs after the pass: that
+    # wait is the transfer's share of the request's time (mean over the cell's pushes).
+    push_wait = per_event(before[2], after[2])
+    added += push_wait
     pass_s = per_event(before[0], after[0])
     return {
         "mode": mode,
@@ -164,6 +178,7 @@ def measure(
         "added_s": added,
         "added_of_pass": added / pass_s,
         "handoff_s": per_event(before[1], after[1]),
+        "push_wait_s": push_wait,
     }
 
 

@@ -57,6 +57,9 @@ COUNTERS = {
     "as they cross the network",
     "kv_pushed_layers_total": "Layer WRITEs this prefill instance posted",
     "kv_push_post_seconds_total": "Seconds the prompt pass spent posting its pushes' WRITEs",
+    "kv_pushes_sent_total": "Pushes this prefill instance finished (answered or failed)",
+    "kv_push_wait_seconds_total": "Seconds this prefill's answers waited after their pass for "
+    "their pushes' last WRITEs: what the transfer added to the request's wait",
     "kv_transfer_timeouts_total": "KV transfers over the network abandoned at their deadline "
     "(then kv_load_failure_policy applies)",
     "prefill_calls_total": "Calls of this decode instance to prefill (local or remote)",
@@ -246,6 +249,8 @@ TRANSPORT_COUNTERS = {
     "pushed_bytes": ("kv_pushed_bytes_total", 1.0),
     "pushed_layers": ("kv_pushed_layers_total", 1.0),
     "push_ns": ("kv_push_post_seconds_total", 1e-9),
+    "pushes_sent": ("kv_pushes_sent_total", 1.0),
+    "push_wait_ns": ("kv_push_wait_seconds_total", 1e-9),
     "prefill_calls": ("prefill_calls_total", 1.0),
     "prefill_failovers": ("prefill_failovers_total", 1.0),
     "prefill_routed_by_prefix": ("prefill_routed_by_prefix_total", 1.0),
