@@ -12,7 +12,8 @@ the time a user waits is the first-to-second token gap less one decode step (the
 between the request's later tokens; it asks for 8). A push's first token waits for its KV: for
 ``push`` the added time also counts the mean time prefill's answers waited for their last
 WRITEs after the pass. Printed per cell: the prompt pass (prefill's own busy seconds per pass),
-TTFT, the added time and its fraction of the pass (medians), and the decode server's handoff
+TTFT, the added time and its fraction of the pass, *ready* (when decode could run the
+request's first step: the second token less a step; medians), and the decode server's handoff
 time per request (the time in its READs; none for ``push``). With ``--stall``, a greedy stream
 runs meanwhile and the script prints its longest gap between tokens while each prompt's KV
 crosses. Needs root.
@@ -167,6 +168,9 @@ def measure(
     push_wait = per_event(before[2], after[2])
     added += push_wait
     pass_s = per_event(before[0], after[0])
+    # When decode could run the request's first step (the KV and the first token in), from the
+    # request's start: comparable across modes, whichever token waits for the KV.
+    ready = statistics.median(t[1] - step for t, step in zip(stamps, steps, strict=True))
     return {
         "mode": mode,
         "rate_gbit": rate,
@@ -179,6 +183,7 @@ def measure(
         "added_of_pass": added / pass_s,
         "handoff_s": per_event(before[1], after[1]),
         "push_wait_s": push_wait,
+        "ready_s": ready,
     }
 
 
@@ -189,7 +194,7 @@ def report(row: dict[str, Any]) -> None:
         f"{row['mode']:>13}  link {label:>10}  {row['tokens']:5d} tokens  pass "
         f"{row['pass_s'] * 1e3:7.1f} ms  TTFT {row['ttft_s'] * 1e3:7.1f} ms  added "
         f"{row['added_s'] * 1e3:6.1f} ms = {row['added_of_pass']:6.1%} of the pass  "
-        f"(handoff {row['handoff_s'] * 1e3:6.1f} ms)",
+        f"ready {row['ready_s'] * 1e3:7.1f} ms  (handoff {row['handoff_s'] * 1e3:6.1f} ms)",
         flush=True,
     )
 
