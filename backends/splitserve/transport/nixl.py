@@ -247,6 +247,7 @@ class NixlTransport(LeasedTransport):
         self._used_targets: OrderedDict[bytes, float] = OrderedDict()
         """Targets pushed into (lease id → expiry): a replayed one is refused."""
         self._push_lock = threading.Lock()
+        self._warned_raw_push = False
         self._push_counts = dict.fromkeys(
             (
                 "pushed_bytes",
@@ -608,6 +609,12 @@ class NixlTransport(LeasedTransport):
         if h.encoding == "fp8" and self._wire is None:
             raise ValueError(
                 "the decode server takes fp8 KV: start prefill with --kv-transfer-dtype fp8 too"
+            )
+        if h.encoding == "raw" and self._wire is not None and not self._warned_raw_push:
+            self._warned_raw_push = True
+            log.warning(
+                "a decode server asks for KV pushes in the pool's dtype: they go unencoded; "
+                "start it with --kv-transfer-dtype fp8 too for fp8 on the wire"
             )
         now = time.time()
         with self._push_lock:
