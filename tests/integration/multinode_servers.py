@@ -11,12 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import netns
 import pytest
 from llm_client import MAX_MODEL_LEN, SERVE_ENGINE
+
+from splitserve.testing.checkpoints import write_random_checkpoint
 
 CLIENT = Path(__file__).with_name("multinode_client.py")
 SPLITSERVE = Path(sys.executable).with_name("splitserve")
@@ -96,3 +99,51 @@ def is_idle(node: netns.Node, model: str) -> bool:
     values = gauges(node)
     leases = values.get(f"splitserve_leases_outstanding|{model}", 0.0)
     return values[f"splitserve_kv_blocks_used|{model}"] == 0 and leases == 0
+
+
+def slow_checkpoint(path: Path, num_layers: int) -> Path:
+    """A checkpoint whose pass over a ~3k-token prompt on one core lasts seconds: long enough to
+    act inside it."""
+    return write_random_checkpoint(
+        path,
+        hidden_size=512,
+        num_layers=num_layers,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        max_position_embeddings=4096,
+        weight_scale=0.5,
+    )
+
+
+@contextlib.contextmanager
+def prefill_and_decode(
+    ckpt: Path,
+    work: Path,
+    prefill_args: list[str],
+    decode_args: list[str],
+    start_timeout_s: float = 240.0,
+) -> Iterator[tuple[netns.Cluster, dict[str, Server]]]:
+    """A ``--role prefill`` server (on core 0) and a ``--role decode`` server calling it, in
+    two namespaces, with extra flags each; skips where namespaces cannot be made."""
+    if (reason := netns.available()) is not None:
+        pytest.skip(reason)
+    common = server_args(ckpt, work)
+    with netns.Cluster(("prefill0", "decode")) as cluster:
+        prefill, decode = cluster["prefill0"], cluster["decode"]
+        servers = {
+            "prefill0": Server(prefill, work / "prefill.log",
+                               [*common, "--role", "prefill", "--advertise-host", prefill.address,
+                                "--prefill-cores", "0", *prefill_args]),
+            "decode": Server(decode, work / "decode.log",
+                             [*common, "--role", "decode", "--advertise-host", decode.address,
+                              f"--prefill-url={prefill.address}:8001", *decode_args]),
+        }  # fmt: skip
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            for server in servers.values():
+                server.wait_ready(deadline)
+            yield cluster, servers
+        finally:
+            for server in servers.values():
+                server.stop()

@@ -9,22 +9,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import netns
 import pytest
 from hf_reference import hf_greedy
-from multinode_servers import CLIENT, Server, client, gauges, is_idle, server_args, wait_until
+from multinode_servers import (
+    CLIENT,
+    Server,
+    client,
+    gauges,
+    is_idle,
+    prefill_and_decode,
+    slow_checkpoint,
+    wait_until,
+)
 
-from splitserve.testing.checkpoints import write_random_checkpoint
 from splitserve.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
 
-START_TIMEOUT_S = 240.0
 WORDS = 1000
 """About 3k tokens: a pass of seconds on one core."""
 MAX_TOKENS = 8
@@ -38,47 +44,19 @@ PUSHED = "splitserve_kv_pushed_layers_total|prefill"
 
 @pytest.fixture(scope="module")
 def slow_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_random_checkpoint(
-        tmp_path_factory.mktemp("push_ckpt"),
-        hidden_size=512,
-        num_layers=LAYERS,
-        num_heads=8,
-        num_kv_heads=2,
-        intermediate_size=1536,
-        max_position_embeddings=4096,
-        weight_scale=0.5,
-    )
+    return slow_checkpoint(tmp_path_factory.mktemp("push_ckpt"), LAYERS)
 
 
 @pytest.fixture(scope="module")
 def nodes(
     slow_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[netns.Cluster, dict[str, Server]]]:
-    if (reason := netns.available()) is not None:
-        pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("multinode_push")
-    common = server_args(slow_ckpt, tmp)
-    with netns.Cluster(("prefill0", "decode")) as cluster:
-        prefill, decode = cluster["prefill0"], cluster["decode"]
-        servers = {
-            "prefill0": Server(prefill, tmp / "prefill.log",
-                               [*common, "--role", "prefill", "--advertise-host", prefill.address,
-                                "--prefill-cores", "0", "--param", "metrics_interval_s=0.05"]),
-            "decode": Server(decode, tmp / "decode.log",
-                             [*common, "--role", "decode", "--advertise-host", decode.address,
-                              f"--prefill-url={prefill.address}:8001", "--kv-push",
-                              "--param", "metrics_interval_s=0.05",
-                              "--param", f"lease_ttl_s={TARGET_TTL_S}",
-                              "--param", "kv_transfer_timeout_s=3"]),
-        }  # fmt: skip
-        try:
-            deadline = time.monotonic() + START_TIMEOUT_S
-            for server in servers.values():
-                server.wait_ready(deadline)
-            yield cluster, servers
-        finally:
-            for server in servers.values():
-                server.stop()
+    fast_metrics = ["--param", "metrics_interval_s=0.05"]
+    decode = ["--kv-push", *fast_metrics, "--param", f"lease_ttl_s={TARGET_TTL_S}",
+              "--param", "kv_transfer_timeout_s=3"]  # fmt: skip
+    with prefill_and_decode(slow_ckpt, tmp, fast_metrics, decode) as nodes:
+        yield nodes
 
 
 def prompt(i: int, words: int = WORDS) -> str:

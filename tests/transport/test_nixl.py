@@ -12,6 +12,8 @@ import zmq
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
 
+from nixl_support import LOOPBACK, tcp_only, wait_for  # noqa: F401 (tcp_only: autouse fixture)
+
 from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
@@ -26,19 +28,6 @@ from splitserve.transport.nixl_metadata import (
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
 KEY = generate_key()
-LOOPBACK = {"advertise_host": "127.0.0.1", "sweep_interval_s": 0.01}
-
-
-@pytest.fixture(autouse=True)
-def _tcp_only(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ import torch
 
 pytest.importorskip("nixl._api", reason="NIXL is not installed (pip install nixl-cu12)")
 
+from nixl_support import LOOPBACK, tcp_only, wait_for  # noqa: F401 (tcp_only: autouse fixture)
+
 from splitserve.kv.allocator import BlocksStillWritten
 from splitserve.kv.handle import InvalidHandle, decode_handle, encode_handle
 from splitserve.kv.layout import KVLayout
@@ -19,19 +21,6 @@ from splitserve.transport.nixl_push import IncomingPushes, settled_message
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
 KEY = generate_key()
-LOOPBACK = {"advertise_host": "127.0.0.1", "sweep_interval_s": 0.01}
-
-
-@pytest.fixture(autouse=True)
-def _tcp_only(monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")
-
-
-def wait_for(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def _prefill(transfer_dtype: str = "auto", layout: KVLayout = LAYOUT) -> tuple:
