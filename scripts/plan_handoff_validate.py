@@ -10,7 +10,8 @@ profile's ``request_s``) and what loading the KV adds after the pass
 (``StepModel.loaded_s``: the whole transfer, or for a streamed handoff what the pass did not
 hide), with the link fitted to that rate and encoding. Measured: the pass (prefill's busy
 seconds per pass), TTFT, and the added time (first-to-second token gap less a decode step).
-Compared: "ready" = TTFT + added, the time at which decode can run the request's first step.
+Compared: "ready" = TTFT + added (for a push less its wait, which both count), the time at
+which decode can run the request's first step.
 
 With ``--calibration``, the served pass (its factor over the profiled one, whole and while it
 streams) and the time per request before the pass are first fitted to another such table
@@ -98,7 +99,8 @@ def main() -> None:
     out = []
     for row in rows:
         pred = predict(profile, link, row, args.cores, layers)
-        ready = row["ttft_s"] + row["added_s"]
+        # A push's wait for its last WRITEs is in its TTFT and in its added time alike.
+        ready = row["ttft_s"] + row["added_s"] - row.get("push_wait_s", 0.0)
         ratio = pred["ready_s"] / ready
         rate = "unlimited" if row["rate_gbit"] is None else f"{row['rate_gbit']:g} Gb/s"
         print(
