@@ -195,6 +195,8 @@ class PrefillModel:
         pushes = self._open_pushes(batch, targets, responses)
         batch = [(i, r) for i, r in batch if responses[i] is None]
         reqs = [r for _, r in batch]
+        if not reqs:  # every target was refused
+            return
         try:
             hook = pushes.written if pushes else None
             first = self._timed(reqs, lambda: self.engine.run(reqs, hook))
@@ -290,6 +292,8 @@ class PrefillModel:
         kept = [k for k, (i, _) in enumerate(batch) if responses[i] is None]
         batch, senders = [batch[k] for k in kept], [senders[k] for k in kept]
         reqs = [r for _, r in batch]
+        if not reqs:  # every target was refused
+            return
         held: list[list[int]] = []
         handles: dict[int, bytes] = {}
         announcer: LayerAnnouncer | None = None
