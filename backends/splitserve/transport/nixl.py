@@ -27,7 +27,6 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from splitserve.kv.pool import KVPool
 from splitserve.transport.channel import PULL
 from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
 from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
+from splitserve.transport.nixl_parts import Progress, Wire, descriptor_table, mem_of
 from splitserve.transport.nixl_push import IncomingPushes, OutgoingPush, settled_message
 
 log = logging.getLogger(__name__)
@@ -65,124 +65,6 @@ def default_advertise_host() -> str:
     """``$SPLITSERVE_ADVERTISE_HOST``, else what this host's name resolves to (a pod's IP in
     Kubernetes)."""
     return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
-
-
-def _mem_of(pool: KVPool) -> tuple[str, int]:
-    device = pool.device
-    return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
-
-
-class _Progress:
-    """Drives the agent's UCX worker, which moves the bytes of RMA over TCP on both ends. An
-    owner's: busy (a pause of ``BUSY_S``) for ``BUSY_WINDOW_S`` after each reader's PULL notice
-    (its READ follows) while that lease is being read, else every ``IDLE_S``. Bounded, because a
-    streamed lease is being read for its whole prompt pass: a busy loop that long takes CPU
-    the pass needs. While pushes are under way (``pushing``: sent or expected), every
-    ``PUSH_S``: the 4 MiB socket buffers (``UCX_DEFAULTS``) hold 3 ms of a 10 Gbit/s link, so a
-    millisecond keeps it busy at a fraction of the CPU a busy loop takes from the pass beside
-    it. Notifications go to ``on_notif``."""
-
-    BUSY_S = 20e-6
-    PUSH_S = 1e-3
-    IDLE_S = 2e-3
-    BUSY_WINDOW_S = 0.005
-
-    def __init__(
-        self,
-        agent: Any,
-        being_read: Callable[[], int],
-        pushing: Callable[[], int] = lambda: 0,
-        on_notif: Callable[[bytes], None] | None = None,
-    ) -> None:
-        self._agent = agent
-        self._being_read = being_read
-        self._pushing = pushing
-        self._on_notif = on_notif
-        self._busy_until = 0.0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="splitserve-nixl-progress")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                notifs = self._agent.get_new_notifs()
-            except Exception:  # a peer's failure surfaces here too; the reader handles it
-                log.debug("NIXL progress reported an error", exc_info=True)
-                notifs = {}
-            if self._on_notif is not None:
-                for messages in notifs.values():
-                    for message in messages:
-                        self._on_notif(bytes(message))
-            if self._wake.is_set():
-                self._wake.clear()
-                self._busy_until = time.monotonic() + self.BUSY_WINDOW_S
-            if self._being_read() and time.monotonic() < self._busy_until:
-                time.sleep(self.BUSY_S)
-            elif self._pushing():
-                time.sleep(self.PUSH_S)
-            else:
-                self._wake.wait(self.IDLE_S)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
-
-
-class _Wire:
-    """fp8 copies of a pool's blocks (e4m3 bytes, float32 scales per layer, block, K/V and
-    head), at the same block ids, registered with the agent."""
-
-    def __init__(self, agent: Any, pool: KVPool) -> None:
-        layout = pool.layout
-        shape = layout.pool_shape(pool.num_blocks)
-        self.q = torch.zeros(shape, dtype=torch.uint8, device=pool.device)
-        self.scales = torch.zeros((*shape[:3], layout.num_kv_heads), device=pool.device)
-        mem, device_id = _mem_of(pool)
-        regions = [
-            (t.data_ptr(), t.numel() * t.element_size(), device_id, "") for t in self.tensors
-        ]
-        self._agent = agent
-        self._registered = agent.register_memory(regions, mem)
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q, self.scales
-
-    @staticmethod
-    def layer_block_bytes(layout: KVLayout) -> tuple[int, int]:
-        """Bytes of one layer of one block: e4m3 values, scales."""
-        return layout.block_numel // layout.num_layers, 2 * layout.num_kv_heads * 4
-
-    def close(self) -> None:
-        self._agent.deregister_memory(self._registered)
-
-
-def descriptor_table(
-    base: int,
-    layers: int,
-    blocks: int,
-    runs: np.ndarray,
-    size: int,
-    device_id: int,
-) -> np.ndarray:
-    """NIXL descriptors ``(address, bytes, device)`` of one region laid out like a pool
-    (``[layers, blocks, ...]``, ``size`` bytes per layer and block): one per layer and run;
-    ``runs`` is ``[n, 2]`` of (first block id on this side, length)."""
-    layer = np.arange(layers, dtype=np.uint64)[:, None]
-    starts, lengths = runs[:, 0].astype(np.uint64), runs[:, 1].astype(np.uint64)
-    addr = np.uint64(base) + (layer * np.uint64(blocks) + starts[None, :]) * np.uint64(size)
-    table = np.empty((addr.size, 3), dtype=np.uint64)
-    table[:, 0] = addr.reshape(-1)
-    table[:, 1] = np.broadcast_to(lengths * np.uint64(size), addr.shape).reshape(-1)
-    table[:, 2] = device_id
-    return table
 
 
 @dataclass
@@ -221,14 +103,14 @@ class NixlTransport(LeasedTransport):
         self._metadata_timeout_s = metadata_timeout_s
         self._transfer_dtype = transfer_dtype
         self._peer_idle_s = peer_idle_s
-        self._wire: _Wire | None = None
+        self._wire: Wire | None = None
         """The own pool's fp8 copies: an owner's with ``transfer_dtype="fp8"``, a reader's from
         its first fp8 handle on."""
         self._agent: Any = None
         self._registered: Any = None
         self._own: tuple[bytes, KVPool] | None = None
         self._metadata: MetadataServer | None = None
-        self._progress: _Progress | None = None
+        self._progress: Progress | None = None
         self._peers: dict[bytes, PeerPool] = {}
         self._peer_used: dict[bytes, float] = {}
         """When each known owner pool was last read: an owner whose server restarted (a new
@@ -273,8 +155,8 @@ class NixlTransport(LeasedTransport):
         name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         # No NIXL progress thread: it polls without pause, a whole core per agent even when idle.
         # A reader progresses its own READs while it waits for them; an owner, whose progress
-        # answers them (UCX emulates RMA over TCP), runs ``_Progress``, as does a push's either
-        # end. Strict sync: ``_Progress`` calls the agent beside the threads that post transfers.
+        # answers them (UCX emulates RMA over TCP), runs ``Progress``, as does a push's either
+        # end. Strict sync: ``Progress`` calls the agent beside the threads that post transfers.
         config = nixl_agent_config(
             enable_prog_thread=False,
             backends=["UCX"],
@@ -297,7 +179,7 @@ class NixlTransport(LeasedTransport):
         if not pool.tensor.is_contiguous():
             raise ValueError("a NIXL-registered KV pool must be one contiguous tensor")
         self._agent = self._new_agent()
-        mem, device_id = _mem_of(pool)
+        mem, device_id = mem_of(pool)
         nbytes = pool.num_blocks * pool.layout.block_bytes
         self._registered = self._agent.register_memory(
             [(pool.tensor.data_ptr(), nbytes, device_id, "")], mem
@@ -309,7 +191,7 @@ class NixlTransport(LeasedTransport):
         # An owner encodes its leases into the wire copy; a reader taking pushes gets fp8
         # pushes in it.
         if self._transfer_dtype == "fp8":
-            self._wire = _Wire(self._agent, pool)
+            self._wire = Wire(self._agent, pool)
         wire = self._wire.tensors if self._wire is not None else None
         own = PeerPool(
             agent_name=self._agent.name,
@@ -326,13 +208,13 @@ class NixlTransport(LeasedTransport):
         self._metadata = MetadataServer(self._ctx, self._key, self._host, pool_id, own)
         if exported:
             assert self._leases is not None  # set by register for an exported pool
-            self._progress = _Progress(
+            self._progress = Progress(
                 self._agent, self._leases.being_read, pushing=lambda: len(self._outgoing)
             )
         else:
             incoming = self._incoming
             assert incoming is not None
-            self._progress = _Progress(
+            self._progress = Progress(
                 self._agent, lambda: 0, pushing=lambda: incoming.expecting, on_notif=incoming.heard
             )
 
@@ -419,7 +301,7 @@ class NixlTransport(LeasedTransport):
         local, remote = self._descriptors(
             peer, runs[:, 1:], runs[:, [0, 2]], layers, handle.encoding
         )
-        mem = _mem_of(self._pool)[0]
+        mem = mem_of(self._pool)[0]
         self._notify(handle, PULL)
         try:
             self._read(peer, local, remote, mem, dst_block_ids)
@@ -447,10 +329,10 @@ class NixlTransport(LeasedTransport):
         first block, length), in the pool's dtype or as fp8 (the wire copies and scales)."""
         assert self._pool is not None
         layout = self._pool.layout
-        device_id = _mem_of(self._pool)[1]
+        device_id = mem_of(self._pool)[1]
         if encoding == "fp8":
             wire = self._reader_wire()
-            sizes = _Wire.layer_block_bytes(layout)
+            sizes = Wire.layer_block_bytes(layout)
             regions = [
                 (wire.q.data_ptr(), peer.wire_base, sizes[0]),
                 (wire.scales.data_ptr(), peer.scales_base, sizes[1]),
@@ -472,11 +354,11 @@ class NixlTransport(LeasedTransport):
         )  # fmt: skip
         return local, remote
 
-    def _reader_wire(self) -> _Wire:
+    def _reader_wire(self) -> Wire:
         if self._wire is None:
             assert self._pool is not None
             log.info("first fp8 KV handle: making this reader's fp8 copy of its pool")
-            self._wire = _Wire(self._agent, self._pool)
+            self._wire = Wire(self._agent, self._pool)
         return self._wire
 
     def _state(self, xfer: Any, post: bool = False) -> str:
@@ -494,6 +376,32 @@ class NixlTransport(LeasedTransport):
         except Exception:  # a failed transfer's handle; the agent frees it at close
             log.warning("could not release a KV transfer handle", exc_info=True)
 
+    def _poll(self, xfers: list[Any]) -> tuple[list[Any], str | None]:
+        """One look at posted ``xfers``: those still running, and the state of the first that
+        ended otherwise than ``DONE`` (None if none did); the ended ones are released."""
+        running, failed = [], None
+        for xfer in xfers:
+            state = self._state(xfer)
+            if state == "PROC":
+                running.append(xfer)
+                continue
+            self._release_xfer(xfer)
+            if state != "DONE" and failed is None:
+                failed = state
+        return running, failed
+
+    def _wait(self, xfers: list[Any], deadline: float) -> tuple[list[Any], str | None]:
+        """``_poll`` with doubling pauses until every transfer ended or ``deadline``
+        (``time.monotonic()``) passed: those still running then, and the first failure."""
+        pause, failed = 20e-6, None
+        while True:
+            xfers, bad = self._poll(xfers)
+            failed = failed or bad
+            if not xfers or time.monotonic() > deadline:
+                return xfers, failed
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
     def _read(
         self, peer: PeerPool, local: np.ndarray, remote: np.ndarray, mem: str, dst: list[int]
     ) -> None:
@@ -506,10 +414,10 @@ class NixlTransport(LeasedTransport):
             peer.agent_name,
         )
         deadline = time.monotonic() + self._transfer_timeout_s
-        state = self._state(xfer, post=True)
-        pause = 20e-6
-        while state == "PROC":
-            if time.monotonic() > deadline:
+        state: str | None = self._state(xfer, post=True)
+        if state == "PROC":
+            running, state = self._wait([xfer], deadline)
+            if running:
                 self._counts["transfer_timeouts"] += 1
                 self._abandoned.append(_Abandoned(xfer, list(dst), peer.agent_name))
                 raise BlocksStillWritten(
@@ -517,11 +425,10 @@ class NixlTransport(LeasedTransport):
                     f"{self._transfer_timeout_s:g} s",
                     dst,
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-            state = self._state(xfer)
-        self._release_xfer(xfer)
-        if state != "DONE":
+        else:
+            self._release_xfer(xfer)
+            state = None if state == "DONE" else state
+        if state is not None:
             self._counts["transfer_errors"] += 1
             raise RuntimeError(f"KV transfer from {peer.agent_name} failed ({state})")
 
@@ -567,7 +474,7 @@ class NixlTransport(LeasedTransport):
             assert self._wire is not None
             ids = torch.tensor(h.block_ids, dtype=torch.long)
             kernels.fp8_decode_blocks(self._wire.q, self._wire.scales, ids, self._pool.tensor, ids)
-            sizes = _Wire.layer_block_bytes(layout)
+            sizes = Wire.layer_block_bytes(layout)
             moved = len(h.block_ids) * layout.num_layers * sum(sizes)
             self._fetch_counts["fetched_fp8_bytes"] += moved
         self._fetch_counts["fetched_bytes"] += moved
@@ -652,7 +559,7 @@ class NixlTransport(LeasedTransport):
         runs = runs.reshape(-1, 3)
         local, remote = self._descriptors(peer, runs[:, [0, 2]], runs[:, 1:], layers, h.encoding)
         assert self._pool is not None  # open_push checked it
-        mem = _mem_of(self._pool)[0]
+        mem = mem_of(self._pool)[0]
         try:
             xfer = self._agent.initialize_xfer(
                 "WRITE",
@@ -684,30 +591,17 @@ class NixlTransport(LeasedTransport):
             push = self._outgoing.pop(key)
         started = time.perf_counter_ns()
         deadline = time.monotonic() + self._transfer_timeout_s
-        pause = 20e-6
-        pending = list(push.xfers)
-        while pending:
-            still = []
-            for xfer in pending:
-                state = self._state(xfer)
-                if state == "PROC":
-                    still.append(xfer)
-                    continue
-                self._release_xfer(xfer)
-                if state != "DONE" and push.failed is None:
-                    push.failed = f"a KV WRITE to {push.agent} failed ({state})"
-            pending = still
-            if pending and time.monotonic() > deadline:
-                self._push_counts["push_timeouts"] += 1
-                push.xfers = pending
-                with self._push_lock:
-                    self._abandoned_pushes.append(push)
-                raise RuntimeError(
-                    f"KV push to {push.agent} did not finish within {self._transfer_timeout_s:g} s"
-                )
-            if pending:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+        running, failed = self._wait(list(push.xfers), deadline)
+        if failed is not None and push.failed is None:
+            push.failed = f"a KV WRITE to {push.agent} failed ({failed})"
+        if running:
+            self._push_counts["push_timeouts"] += 1
+            push.xfers = running
+            with self._push_lock:
+                self._abandoned_pushes.append(push)
+            raise RuntimeError(
+                f"KV push to {push.agent} did not finish within {self._transfer_timeout_s:g} s"
+            )
         self._push_counts["push_wait_ns"] += time.perf_counter_ns() - started
         self._push_counts["pushes_sent"] += 1
         self._settled(push)
@@ -727,14 +621,8 @@ class NixlTransport(LeasedTransport):
             abandoned, self._abandoned_pushes = self._abandoned_pushes, []
         left = []
         for push in abandoned:
-            still = []
-            for xfer in push.xfers:
-                if self._state(xfer) == "PROC":
-                    still.append(xfer)
-                else:
-                    self._release_xfer(xfer)
-            push.xfers = still
-            if still:
+            push.xfers, _ = self._poll(push.xfers)
+            if push.xfers:
                 left.append(push)
             else:
                 self._settled(push)
