@@ -159,7 +159,7 @@ def test_a_failed_pushs_blocks_come_back_after_expiry_without_a_notice():
     assert pushes.failed(b"a" * 16, expiry=100.0) == [3, 4]
     assert pushes.reap(now=102.9) == []
     assert pushes.reap(now=103.1) == [3, 4]
-    assert pushes.expecting == 0
+    assert pushes.counts["quarantined_blocks"] == 0
 
 
 def test_a_settled_notice_before_the_failure_frees_at_once():

@@ -42,7 +42,7 @@ from splitserve.kv.pool import KVPool
 from splitserve.transport.channel import PULL
 from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
 from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
-from splitserve.transport.nixl_parts import Progress, Wire, descriptor_table, mem_of
+from splitserve.transport.nixl_parts import Wire, descriptor_table, mem_of, new_agent
 from splitserve.transport.nixl_push import IncomingPushes, OutgoingPush, settled_message
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,6 @@ class NixlTransport(LeasedTransport):
         self._registered: Any = None
         self._own: tuple[bytes, KVPool] | None = None
         self._metadata: MetadataServer | None = None
-        self._progress: Progress | None = None
         self._peers: dict[bytes, PeerPool] = {}
         self._peer_used: dict[bytes, float] = {}
         """When each known owner pool was last read: an owner whose server restarted (a new
@@ -148,21 +147,9 @@ class NixlTransport(LeasedTransport):
         return None if self._agent is None else str(self._agent.name)
 
     def _new_agent(self) -> Any:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
         for key, value in UCX_DEFAULTS.items():
             os.environ.setdefault(key, value)  # UCX reads its settings when the agent starts
-        name = f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-        # No NIXL progress thread: it polls without pause, a whole core per agent even when idle.
-        # A reader progresses its own READs while it waits for them; an owner, whose progress
-        # answers them (UCX emulates RMA over TCP), runs ``Progress``, as does a push's either
-        # end. Strict sync: ``Progress`` calls the agent beside the threads that post transfers.
-        config = nixl_agent_config(
-            enable_prog_thread=False,
-            backends=["UCX"],
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        return nixl_agent(name, config)
+        return new_agent(f"splitserve-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
     def create_pool(
         self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"
@@ -206,21 +193,6 @@ class NixlTransport(LeasedTransport):
         )
         pool_id = self._own[0] if self._own is not None and exported else self._push_pool_id
         self._metadata = MetadataServer(self._ctx, self._key, self._host, pool_id, own)
-        if exported:
-            assert self._leases is not None  # set by register for an exported pool
-            self._progress = Progress(
-                self._agent, self._leases.being_read, pushing=lambda: len(self._outgoing)
-            )
-        else:
-            incoming = self._incoming
-            assert incoming is not None
-            self._progress = Progress(
-                self._agent, lambda: 0, pushing=lambda: incoming.expecting, on_notif=incoming.heard
-            )
-
-    def _pulled(self) -> None:
-        if self._progress is not None:
-            self._progress.wake()
 
     def _encoding(self) -> str:
         return "fp8" if self._wire is not None and self._own is not None else "raw"
@@ -490,9 +462,17 @@ class NixlTransport(LeasedTransport):
         return BlocksStillWritten(f"the prompt's KV push failed: {why}", blocks)
 
     def reap_pushes(self) -> None:
-        """Return the blocks of failed pushes that nothing can write any more to the pool. On
-        the thread that owns the pool's allocator."""
+        """Hear prefill's notifications, and return the blocks of failed pushes that nothing can
+        write any more to the pool. On the thread that owns the pool's allocator."""
         if self._incoming is not None and self._pool is not None:
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception:  # nixl's binding errors share no base class beyond Exception
+                log.warning("could not read NIXL notifications", exc_info=True)
+                notifs = {}
+            for messages in notifs.values():
+                for message in messages:
+                    self._incoming.heard(bytes(message))
             freed = self._incoming.reap()
             if freed:
                 self._pool.allocator.free(freed)
@@ -579,8 +559,6 @@ class NixlTransport(LeasedTransport):
         self._push_counts["pushed_bytes"] += int(local[:, 1].sum())
         self._push_counts["pushed_layers"] += len(layers)
         self._push_counts["push_ns"] += time.perf_counter_ns() - started
-        if self._progress is not None:
-            self._progress.wake()
 
     def finish_push(self, key: bytes) -> None:
         """Wait until every WRITE of the push is done (the KV is in the target's blocks), then
@@ -662,8 +640,6 @@ class NixlTransport(LeasedTransport):
     def _close_memory(self) -> None:
         if self._metadata is not None:
             self._metadata.close()
-        if self._progress is not None:
-            self._progress.close()
         if self._agent is None:
             return
         for item in self._abandoned:

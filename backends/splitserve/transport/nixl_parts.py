@@ -1,13 +1,9 @@
-"""The pieces of the NIXL transport below the transport itself: the memory kind of a pool, the
-thread that drives an agent's UCX worker, the registered fp8 copies of a pool, and the
+"""The pieces of the NIXL transport below the transport itself: the memory kind of a pool, an
+agent whose progress thread waits for UCX's events, the registered fp8 copies of a pool, and the
 descriptor tables of blocks laid out like a pool."""
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,75 +12,41 @@ import torch
 from splitserve.kv.layout import KVLayout
 from splitserve.kv.pool import KVPool
 
-log = logging.getLogger(__name__)
-
 
 def mem_of(pool: KVPool) -> tuple[str, int]:
     device = pool.device
     return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
-class Progress:
-    """Drives the agent's UCX worker, which moves the bytes of RMA over TCP on both ends. An
-    owner's: busy (a pause of ``BUSY_S``) for ``BUSY_WINDOW_S`` after each reader's PULL notice
-    (its READ follows) while that lease is being read, else every ``IDLE_S``. Bounded, because a
-    streamed lease is being read for its whole prompt pass: a busy loop that long takes CPU
-    the pass needs. While pushes are under way (``pushing``: sent or expected), every
-    ``PUSH_S``: the 4 MiB socket buffers (``nixl.UCX_DEFAULTS``) hold 3 ms of a 10 Gbit/s link, so a
-    millisecond keeps it busy at a fraction of the CPU a busy loop takes from the pass beside
-    it. Notifications go to ``on_notif``."""
+PROGRESS_TIMEOUT_US = 10_000
+"""The longest NIXL's progress thread sleeps without a UCX event (UCX's timers need a turn now
+and then); bytes arriving or a socket taking more wake it at once."""
 
-    BUSY_S = 20e-6
-    PUSH_S = 1e-3
-    IDLE_S = 2e-3
-    BUSY_WINDOW_S = 0.005
 
-    def __init__(
-        self,
-        agent: Any,
-        being_read: Callable[[], int],
-        pushing: Callable[[], int] = lambda: 0,
-        on_notif: Callable[[bytes], None] | None = None,
-    ) -> None:
-        self._agent = agent
-        self._being_read = being_read
-        self._pushing = pushing
-        self._on_notif = on_notif
-        self._busy_until = 0.0
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="splitserve-nixl-progress")
-        self._thread.daemon = True
-        self._thread.start()
+def new_agent(name: str) -> Any:
+    """A NIXL agent (UCX backend) whose own progress thread sleeps on the UCX worker's events.
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                notifs = self._agent.get_new_notifs()
-            except Exception:  # a peer's failure surfaces here too; the reader handles it
-                log.debug("NIXL progress reported an error", exc_info=True)
-                notifs = {}
-            if self._on_notif is not None:
-                for messages in notifs.values():
-                    for message in messages:
-                        self._on_notif(bytes(message))
-            if self._wake.is_set():
-                self._wake.clear()
-                self._busy_until = time.monotonic() + self.BUSY_WINDOW_S
-            if self._being_read() and time.monotonic() < self._busy_until:
-                time.sleep(self.BUSY_S)
-            elif self._pushing():
-                time.sleep(self.PUSH_S)
-            else:
-                self._wake.wait(self.IDLE_S)
+    UCX emulates RMA over TCP: the bytes of a READ or WRITE move only while a thread progresses
+    the worker on both ends, the owner of the memory included. NIXL's progress thread does that
+    from C++, without the GIL, and waits in ``poll()`` on the worker's event fd in between. The
+    Python API fixes that wait's timeout at 0, a busy loop that takes a whole core, so the
+    agent's core is built here with ``PROGRESS_TIMEOUT_US``: idle, the thread costs nothing; a
+    thread of ours polling from Python every millisecond or two cost a decode step 5-10 % in
+    GIL handoffs (BENCHMARKS.md, "Layer-wise KV streaming"). Strict sync: that thread runs
+    beside the ones that post transfers."""
+    from nixl import _bindings
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-    def wake(self) -> None:
-        self._wake.set()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = _bindings.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.pthrDelay = PROGRESS_TIMEOUT_US
+    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT.value
+    config.captureTelemetry = False
+    agent.agent = _bindings.nixlAgent(name, config)
+    agent.create_backend("UCX")
+    return agent
 
 
 class Wire:

@@ -50,8 +50,7 @@ class OutgoingPush:
 
 class IncomingPushes:
     """Decode's side: the targets it handed out and the blocks it holds back. Thread-safe (the
-    model's event loop makes targets, the progress thread hears ``settled``, the engine thread
-    frees)."""
+    model's event loop makes targets, the engine thread hears ``settled`` and frees)."""
 
     def __init__(self, transfer_timeout_s: float) -> None:
         self._transfer_timeout_s = transfer_timeout_s
@@ -63,12 +62,6 @@ class IncomingPushes:
         theirs can land."""
         self._settled: set[bytes] = set()
         self.counts = dict.fromkeys(("pushes", "push_failures", "quarantined_blocks"), 0)
-
-    @property
-    def expecting(self) -> int:
-        """Targets that WRITEs may still come into (the progress thread receives them)."""
-        with self._lock:
-            return len(self._open) + len(self._quarantined)
 
     def opened(self, lease_id: bytes, block_ids: list[int]) -> None:
         with self._lock:
@@ -94,7 +87,7 @@ class IncomingPushes:
             return blocks
 
     def heard(self, message: bytes) -> None:
-        """A notification from a prefill agent (the progress thread)."""
+        """A notification from a prefill agent."""
         lease = settled_lease(message)
         if lease is None:
             return
