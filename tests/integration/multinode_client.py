@@ -6,8 +6,9 @@ only from there): one command per call, one JSON document on stdout.
     multinode_client.py load GRPC_URL N MAX_TOKENS TIMEOUT_S [PROMPT_WORDS]
     multinode_client.py cancel GRPC_URL PROMPT
     multinode_client.py gauges METRICS_URL
-    multinode_client.py midstream GRPC_URL METRICS_URL PROMPT MAX_TOKENS [METRIC]  (prints
-                          "pulling" once the request's first layers moved: METRIC grew)
+    multinode_client.py midstream GRPC_URL METRICS_URLS PROMPT MAX_TOKENS [METRIC]  (prints
+                          "pulling N" once the request's first layers moved: METRIC grew at
+                          the Nth of the comma-separated METRICS_URLS)
     multinode_client.py openai BASE_URL PROMPT MAX_TOKENS
     multinode_client.py timing GRPC_URL PROMPTS_JSON   (one after another: seconds to tokens 1-3)
     multinode_client.py stall GRPC_URL PROMPT PROMPTS_JSON  (a stream's longest token gap while
@@ -67,23 +68,27 @@ def load(url: str, n: int, max_tokens: int, timeout_s: float, words: int) -> lis
 
 def midstream(
     url: str,
-    metrics_url: str,
+    metrics_urls: str,
     prompt: str,
     max_tokens: int,
     key: str = "splitserve_kv_streamed_layers_total|llm",
 ) -> Any:
-    """A greedy request; once layers of it moved (``key`` at ``metrics_url`` grew: decode
-    pulled some, or prefill pushed some, its pass still running), print ``pulling`` (the caller
-    then acts on the prefill server), then return its result."""
-    before = gauges(metrics_url).get(key, 0.0)
+    """A greedy request; once layers of it moved (``key`` grew at one of ``metrics_urls``:
+    decode pulled some, or a prefill pushed some, its pass still running), print ``pulling``
+    and which (the caller then acts on that prefill server), then return its result."""
+    urls = metrics_urls.split(",")
+    before = [gauges(u).get(key, 0.0) for u in urls]
     result: list[Any] = []
     thread = threading.Thread(
         target=lambda: result.append(generate(url, prompt, max_tokens, True, 60.0))
     )
     thread.start()
-    while thread.is_alive() and gauges(metrics_url).get(key, 0.0) == before:
+    grew: int | None = None
+    while thread.is_alive() and grew is None:
+        now = [gauges(u).get(key, 0.0) for u in urls]
+        grew = next((n for n, (a, b) in enumerate(zip(before, now, strict=True)) if b > a), None)
         time.sleep(0.01)
-    print("pulling" if thread.is_alive() else "ended", flush=True)
+    print(f"pulling {grew}" if thread.is_alive() else "ended", flush=True)
     thread.join()
     return result[0]
 

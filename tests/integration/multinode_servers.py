@@ -123,22 +123,29 @@ def prefill_and_decode(
     prefill_args: list[str],
     decode_args: list[str],
     start_timeout_s: float = 240.0,
+    prefills: int = 1,
 ) -> Iterator[tuple[netns.Cluster, dict[str, Server]]]:
-    """A ``--role prefill`` server (on core 0) and a ``--role decode`` server calling it, in
-    two namespaces, with extra flags each; skips where namespaces cannot be made."""
+    """``prefills`` ``--role prefill`` servers (``prefill0``, ...; each on core 0) and a
+    ``--role decode`` server calling them, in namespaces of their own, with extra flags each;
+    skips where namespaces cannot be made."""
     if (reason := netns.available()) is not None:
         pytest.skip(reason)
     common = server_args(ckpt, work)
-    with netns.Cluster(("prefill0", "decode")) as cluster:
-        prefill, decode = cluster["prefill0"], cluster["decode"]
+    names = [f"prefill{i}" for i in range(prefills)]
+    with netns.Cluster((*names, "decode")) as cluster:
+        decode = cluster["decode"]
         servers = {
-            "prefill0": Server(prefill, work / "prefill.log",
-                               [*common, "--role", "prefill", "--advertise-host", prefill.address,
-                                "--prefill-cores", "0", *prefill_args]),
-            "decode": Server(decode, work / "decode.log",
-                             [*common, "--role", "decode", "--advertise-host", decode.address,
-                              f"--prefill-url={prefill.address}:8001", *decode_args]),
+            name: Server(cluster[name], work / f"{name}.log",
+                         [*common, "--role", "prefill", "--advertise-host", cluster[name].address,
+                          "--prefill-cores", "0", *prefill_args])
+            for name in names
         }  # fmt: skip
+        urls = [f"--prefill-url={cluster[name].address}:8001" for name in names]
+        servers["decode"] = Server(
+            decode,
+            work / "decode.log",
+            [*common, "--role", "decode", "--advertise-host", decode.address, *urls, *decode_args],
+        )
         try:
             deadline = time.monotonic() + start_timeout_s
             for server in servers.values():

@@ -1,8 +1,10 @@
-"""KV pushes (``--kv-push``) between a prefill and a decode server in two network namespaces, on a
-checkpoint whose prompt pass (prefill on one core) lasts seconds: prefill WRITEs each layer into
-blocks decode reserved and the greedy text equals transformers', for a prompt of seconds and a
-short one; a prefill killed halfway through its layers ends the request with a clear error,
-and decode gets every block back once no WRITE can land any more."""
+"""KV pushes (``--kv-push``) from two prefill servers to a decode server, each in a network
+namespace of its own, on a checkpoint whose prompt pass (prefill on one core) lasts seconds:
+prefill WRITEs each layer into blocks decode reserved and the greedy text equals transformers',
+for a prompt of seconds and a short one. A prefill killed halfway through its layers: the
+request is pushed again by the other one into other blocks (the same text); with no prefill
+left, it ends with a clear error. Either way decode gets the first blocks back once no WRITE
+can land in them any more."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import netns
 import pytest
@@ -55,7 +58,7 @@ def nodes(
     fast_metrics = ["--param", "metrics_interval_s=0.05"]
     decode = ["--kv-push", *fast_metrics, "--param", f"lease_ttl_s={TARGET_TTL_S}",
               "--param", "kv_transfer_timeout_s=3"]  # fmt: skip
-    with prefill_and_decode(slow_ckpt, tmp, fast_metrics, decode) as nodes:
+    with prefill_and_decode(slow_ckpt, tmp, fast_metrics, decode, prefills=2) as nodes:
         yield nodes
 
 
@@ -80,26 +83,57 @@ def test_pushed_kv_gives_the_text_of_transformers(
     assert values.get("splitserve_kv_streamed_layers_total|llm", 0.0) == 0
     assert values.get("splitserve_kv_handoff_seconds_total|llm", 0.0) == 0
     wait_until(lambda: is_idle(decode, "llm"), 30, "decode idle")
-    wait_until(lambda: is_idle(cluster["prefill0"], "prefill"), 30, "prefill idle")
+    for name in ("prefill0", "prefill1"):
+        wait_until(lambda n=name: is_idle(cluster[n], "prefill"), 30, f"{name} idle")
 
 
-def test_prefill_killed_mid_push_ends_the_request_and_frees_its_blocks(
+def kill_mid_push(
+    nodes: tuple[netns.Cluster, dict[str, Server]], alive: list[str], i: int
+) -> tuple[str, Any]:
+    """Kill whichever of the ``alive`` prefill servers is pushing prompt ``i`` halfway through
+    its layers; which one it was, and the request's result."""
+    cluster, servers = nodes
+    metrics = ",".join(f"http://{cluster[name].address}:8002/metrics" for name in alive)
+    args = ["midstream", "127.0.0.1:8001", metrics, prompt(i), str(MAX_TOKENS), PUSHED]
+    request = cluster["decode"].popen(
+        [sys.executable, str(CLIENT), *args], stdout=subprocess.PIPE, text=True
+    )
+    assert request.stdout is not None
+    line = request.stdout.readline().split()
+    assert line[0] == "pulling", line
+    killed = alive[int(line[1])]
+    servers[killed].kill_node()
+    out, _ = request.communicate(timeout=90)
+    return killed, json.loads(out)
+
+
+def test_a_prefill_killed_mid_push_is_replaced_by_the_other_into_other_blocks(
+    nodes: tuple[netns.Cluster, dict[str, Server]], slow_ckpt: Path
+) -> None:
+    cluster, _ = nodes
+    decode = cluster["decode"]
+    killed, result = kill_mid_push(nodes, ["prefill0", "prefill1"], 1)
+    tokenizer = load_tokenizer(slow_ckpt)
+    want = hf_greedy(slow_ckpt, tokenizer.encode(prompt(1)), MAX_TOKENS, eos_token_ids=())
+    assert result.get("text") == tokenizer.decode(want), (killed, result)
+    values = gauges(decode)
+    assert values["splitserve_kv_push_failures_total|llm"] == 1
+    assert values["splitserve_prefill_failovers_total|llm"] == 1
+    # The first blocks were quarantined (a dead prefill sends no "settled"): back once no WRITE
+    # can land, at the target's expiry plus the transfer timeout.
+    wait_until(lambda: is_idle(decode, "llm"), TARGET_TTL_S + 30, "decode holds nothing")
+    assert gauges(decode)["splitserve_kv_blocks_quarantined|llm"] == 0
+
+
+def test_the_last_prefill_killed_mid_push_ends_the_request_and_frees_its_blocks(
     nodes: tuple[netns.Cluster, dict[str, Server]],
 ) -> None:
     cluster, servers = nodes
-    decode, prefill = cluster["decode"], cluster["prefill0"]
-    metrics = f"http://{prefill.address}:8002/metrics"
-    args = ["midstream", "127.0.0.1:8001", metrics, prompt(1), str(MAX_TOKENS), PUSHED]
-    request = decode.popen([sys.executable, str(CLIENT), *args], stdout=subprocess.PIPE, text=True)
-    assert request.stdout is not None
-    assert request.stdout.readline().strip() == "pulling"
-    servers["prefill0"].kill_node()
-    out, _ = request.communicate(timeout=90)
-    result = json.loads(out)
+    decode = cluster["decode"]
+    alive = [name for name in ("prefill0", "prefill1") if servers[name].proc.poll() is None]
+    assert len(alive) == 1, alive
+    _, result = kill_mid_push(nodes, alive, 2)
     assert "error" in result and "prefill" in result["error"], result
-    values = gauges(decode)
-    assert values["splitserve_kv_push_failures_total|llm"] == 1
-    # Its blocks were quarantined (a dead prefill sends no "settled"): back once no WRITE can
-    # land, at the target's expiry plus the transfer timeout.
+    assert gauges(decode)["splitserve_kv_push_failures_total|llm"] >= 2
     wait_until(lambda: is_idle(decode, "llm"), TARGET_TTL_S + 30, "decode holds nothing")
     assert gauges(decode)["splitserve_kv_blocks_quarantined|llm"] == 0

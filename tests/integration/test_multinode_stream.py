@@ -83,7 +83,7 @@ def test_prefill_killed_mid_stream_ends_the_request_with_an_error(
         [sys.executable, str(CLIENT), *args, str(MAX_TOKENS)], stdout=subprocess.PIPE, text=True
     )
     assert request.stdout is not None
-    assert request.stdout.readline().strip() == "pulling"
+    assert request.stdout.readline().strip() == "pulling 0"
     servers["prefill0"].kill_node()
     out, _ = request.communicate(timeout=90)
     result = json.loads(out)

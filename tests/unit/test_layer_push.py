@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from splitserve import SamplingParams
+from splitserve.engine.build import build_components, scheduler_limits
+from splitserve.engine.engine import Engine
+from splitserve.engine.scheduler import LoadAgain
+from splitserve.engine_config import EngineConfig
 from splitserve.kv.allocator import BlocksStillWritten
 from splitserve.serving.layer_push import PushedKV, RequestEnded
 
@@ -25,7 +31,7 @@ class Transport:
     def push_arrived(self, target: bytes) -> None:
         self.arrived.append(target)
 
-    def push_failed(self, target: bytes, why: str) -> BaseException:
+    def push_failed(self, target: bytes, why: str) -> BlocksStillWritten:
         self.failed.append((target, why))
         return BlocksStillWritten(why, [9])
 
@@ -90,5 +96,79 @@ def test_a_push_that_failed_holds_its_blocks_back(puller):
         assert transport.failed == [(b"target-1", "the request ended")]
         source.arrived()
         assert transport.arrived == []
+
+    asyncio.run(run())
+
+
+def test_a_push_tried_again_goes_into_other_blocks(puller):
+    async def run() -> None:
+        transport = Transport()
+        source = PushedKV(transport, 20, 16, asyncio.get_running_loop())
+        first = source.start([1, 2], puller)
+        assert await source.target() == b"target-1"
+        source.again("server down")  # its server may write on into blocks 1 and 2
+        with pytest.raises(LoadAgain) as held:
+            first.result(timeout=1)
+        assert held.value.block_ids == [9] and transport.failed == [(b"target-1", "server down")]
+        second = source.start([5, 6], puller)
+        assert await source.target() == b"target-2"
+        source.arrived()
+        await asyncio.wrap_future(second)
+        assert transport.arrived == [b"target-2"]
+
+    asyncio.run(run())
+
+
+def test_a_request_that_ends_while_its_push_waits_for_other_blocks_calls_nothing(puller):
+    async def run() -> None:
+        source = PushedKV(Transport(), 20, 16, asyncio.get_running_loop())
+        source.start([1, 2], puller)
+        await source.target()
+        source.again("server down")
+        source.discard()  # the engine ended it before reserving other blocks
+        with pytest.raises(RequestEnded):
+            await source.target()
+
+    asyncio.run(run())
+
+
+def test_the_engine_reserves_other_blocks_and_leaves_the_first_to_the_transport(puller):
+    parts = build_components(EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128))
+    cfg = EngineConfig(model="tiny", num_kv_blocks=64)
+    engine = Engine(
+        parts.model,
+        parts.new_pool(),
+        parts.tokenizer,
+        scheduler_limits(cfg),
+        parts.max_model_len,
+        puller=puller,
+    )
+    allocator = engine.scheduler.allocator
+
+    class Holding(Transport):
+        def push_failed(self, target: bytes, why: str) -> BlocksStillWritten:
+            self.failed.append((target, why))
+            return BlocksStillWritten(why, self.targets[-1][0])
+
+    async def run() -> None:
+        transport = Holding()
+        source = PushedKV(transport, 40, 16, asyncio.get_running_loop())
+        one = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.add_streaming("s", list(range(1, 41)), one, 0, source)
+        engine.step()
+        await source.target()
+        source.again("server down")
+        engine.step()  # the load ended with LoadAgain: other blocks, a new target
+        assert await source.target() == b"target-2"
+        first, second = transport.targets[0][0], transport.targets[1][0]
+        assert not set(first) & set(second)
+        source.arrived()
+        engine.first_token("s", 7)  # its only token: the request ends once the KV is in
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            engine.step()
+            await asyncio.sleep(0.001)
+        assert not engine.has_unfinished()
+        assert allocator.num_used == len(first)  # the transport's until no WRITE can land
 
     asyncio.run(run())

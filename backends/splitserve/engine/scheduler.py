@@ -19,6 +19,9 @@ A streamed source (``StreamedSource``) is handed over while its prompt pass stil
 layers as they are written, on the puller, and its request has no first token yet. It joins
 the batch once its pull ended and its first token arrived (``Engine.first_token``); removed
 mid-pull, the source is cancelled (no further read) and the blocks wait for its last read.
+A streamed source whose KV must come into other blocks (a push whose prefill server failed:
+that server may write on into the first ones) ends its load with ``LoadAgain``: the request
+waits for blocks again, and ``start`` is called once more with new ones.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ class StreamedSource(Protocol):
 
     def discard(self) -> None:
         """The request ended before its pull started: let the owner free its copy."""
+
+
+class LoadAgain(BlocksStillWritten):
+    """A streamed load that starts over in other blocks; ``block_ids`` stay with the
+    transport (they may still be written)."""
 
 
 @dataclass
@@ -259,7 +267,11 @@ class Scheduler:
             if exc is None and not req.output_ids:
                 continue  # streamed: its first token has not arrived yet
             self.pulling.remove(item)
-            if exc is not None:
+            if isinstance(exc, LoadAgain):
+                self._drop_held(req, exc)
+                self.free(req)
+                self.arrived.appendleft((req, item[2]))
+            elif exc is not None:
                 self._load_failed(req, exc)
             else:
                 self._join(req, out)

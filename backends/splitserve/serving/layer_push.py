@@ -7,6 +7,8 @@ The request enters the engine at once, as a streamed one; when the engine has re
 blocks (``start``) the target goes to the model's event loop (``target``), which calls prefill
 with it. The reply ends the load (``arrived``); a failed call, or the request ending first,
 leaves the blocks to the transport until no WRITE can land in them (``BlocksStillWritten``).
+A call whose server failed may be tried once more on another server, but only into other
+blocks (``again``): the failed one may write on into the first ones.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import threading
 from concurrent.futures import Executor, Future
 from typing import Protocol
 
+from splitserve.engine.scheduler import LoadAgain
+from splitserve.kv.allocator import BlocksStillWritten
+
 
 class PushTransport(Protocol):
     """What a push source needs of the transport (``NixlTransport`` with ``accept_pushes``)."""
@@ -24,7 +29,7 @@ class PushTransport(Protocol):
 
     def push_arrived(self, target: bytes) -> None: ...
 
-    def push_failed(self, target: bytes, why: str) -> BaseException: ...
+    def push_failed(self, target: bytes, why: str) -> BlocksStillWritten: ...
 
 
 class RequestEnded(Exception):
@@ -62,12 +67,24 @@ class PushedKV:
             self._puller = puller
             if dst_block_ids:
                 self._sent = self.transport.push_target(dst_block_ids, tokens)
-        self._loop.call_soon_threadsafe(_resolve, self._target, self._sent)
-        return self._done
+            self._loop.call_soon_threadsafe(_resolve, self._target, self._sent)
+            return self._done
 
     def cancel(self) -> None:
         """The request ended while its push was under way."""
         self.failed("the request ended")
+
+    def again(self, why: str) -> None:
+        """The call failed with its server: leave the blocks to the transport and wait for the
+        engine to reserve others (``start`` again, a new ``target``). The model's event loop."""
+        with self._lock:
+            if self._done.done() or self._sent is None:
+                return
+            held = self.transport.push_failed(self._sent, why)
+            done, self._done = self._done, Future()
+            self._target = self._loop.create_future()
+            self._sent = None
+            done.set_exception(LoadAgain(why, held.block_ids))
 
     def discard(self) -> None:
         """The request ended before its blocks were reserved."""
@@ -98,6 +115,7 @@ class PushedKV:
                 return
             if self._sent is None:
                 self._done.set_exception(RequestEnded(why))
+                self._loop.call_soon_threadsafe(_refuse, self._target)
                 return
             exc = self.transport.push_failed(self._sent, why)
             self._done.set_exception(exc)

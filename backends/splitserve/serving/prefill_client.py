@@ -22,6 +22,8 @@ class PrefillCall:
     kv_target: bytes | None = None
     """Where prefill pushes the KV (``serving.layer_push``): blocks reserved by the caller;
     the reply's handle is then this target, and the KV is in once the reply came."""
+    failover: bool = False
+    """A push tried again, into other blocks, after its first server failed."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class PrefillFailed(RuntimeError):
         pool_full: bool = False,
         retryable: bool = False,
         streamed: bool = False,
+        target_spent: bool = False,
     ) -> None:
         super().__init__(message)
         self.streamed = streamed
@@ -68,6 +71,9 @@ class PrefillFailed(RuntimeError):
         self.retryable = retryable
         """The server failed (connection, unavailable, died), not the request: another server
         (or the same one later) may succeed."""
+        self.target_spent = target_spent
+        """The failed call carried a push target (``kv_target``): its server may still write
+        into those blocks, so another call needs a target naming other blocks."""
 
 
 class PrefillClient(ABC):

@@ -221,6 +221,7 @@ class RemotePrefillClient(PrefillClient):
         if self._closed:
             raise PrefillFailed("prefill client is closed")
         self._counts["calls"] += 1
+        self._counts["failovers"] += call.failover
         await self._started()
         inputs = prefill_inputs(call)
         routed = self.router.affinity_slack is not None
@@ -240,8 +241,8 @@ class RemotePrefillClient(PrefillClient):
             except PrefillFailed as exc:
                 if exc.retryable and call.kv_target is not None:
                     # It may have WRITten into the target's blocks and may write on: another
-                    # server's push there could be overwritten. The request ends instead.
-                    exc = PrefillFailed(f"{exc} (the prompt's KV push is dropped)", streamed=True)
+                    # server's push must go into other blocks (the caller's to reserve).
+                    raise PrefillFailed(str(exc), retryable=True, target_spent=True) from None
                 if not exc.retryable:
                     self._counts["failures"] += 1
                     self._counts["pool_full"] += exc.pool_full

@@ -150,21 +150,32 @@ class DecodeModel(GenerateModelBase):
         )
         params = prep.gen.params
         self.loop.add_streaming(rid, prep.prompt_ids, params, seed, source, sink, prep.deadline)
-        try:
-            target = await source.target()
-        except RequestEnded:
-            return  # the engine ended it (cancelled, past its deadline) and told the client
-        try:
-            prefilled = await self._prefill(request, rid, prep, seed, None, target)
-        except PrefillError as exc:
-            source.failed(str(exc))
-            self.loop.fail_request(rid, str(exc), exc.kind)
-            return
-        except Exception as exc:  # every request must end with FINAL, whatever went wrong
-            log.exception("request %s failed before decode", rid)
-            source.failed(f"internal error: {exc}")
-            self.loop.fail_request(rid, f"internal error: {exc}", "internal")
-            return
+        failover = False
+        while True:
+            try:
+                target = await source.target()
+            except RequestEnded:
+                return  # the engine ended it (cancelled, past its deadline) and told the client
+            try:
+                prefilled = await self._prefill(request, rid, prep, seed, None, target, failover)
+                break
+            except PrefillFailed as exc:  # its server failed, and may write on into the blocks
+                if failover:
+                    why = f"prefill unavailable: {exc} (the prompt's KV push is dropped)"
+                    source.failed(why)
+                    self.loop.fail_request(rid, why, "unavailable")
+                    return
+                source.again(str(exc))  # once more, on another server, into other blocks
+                failover = True
+            except PrefillError as exc:
+                source.failed(str(exc))
+                self.loop.fail_request(rid, str(exc), exc.kind)
+                return
+            except Exception as exc:  # every request must end with FINAL, whatever went wrong
+                log.exception("request %s failed before decode", rid)
+                source.failed(f"internal error: {exc}")
+                self.loop.fail_request(rid, f"internal error: {exc}", "internal")
+                return
         if prefilled is None:
             source.failed("the client cancelled")  # the loop ends the request (it polls)
             return
@@ -188,10 +199,12 @@ class DecodeModel(GenerateModelBase):
         seed: int,
         handoff: _Handoff | None,
         target: bytes | None = None,
+        failover: bool = False,
     ) -> tuple[int, bytes] | None:
         """The first token and KV handle from prefill, retried while its pool is full; None
         (and no lease held) if the client cancelled meanwhile. PrefillError once the request's
-        deadline passed, too. A streaming prefill hands the handle to ``handoff`` early."""
+        deadline passed, too. A streaming prefill hands the handle to ``handoff`` early; a
+        push whose server failed raises its ``PrefillFailed`` (``target_spent``)."""
         call = PrefillCall(
             prompt_ids=list(prep.prompt_ids),
             params_json=bls_contract.params_to_json(prep.gen.params),
@@ -199,6 +212,7 @@ class DecodeModel(GenerateModelBase):
             request_id=rid,
             auth=bls_contract.auth_tag(self.key, rid),
             kv_target=target,
+            failover=failover,
         )
         retry_until = time.monotonic() + self.cfg.prefill_retry_s
         delay = 0.005
@@ -207,6 +221,8 @@ class DecodeModel(GenerateModelBase):
                 reply = await self._call_prefill(request, call, prep.deadline, handoff)
                 break
             except PrefillFailed as exc:
+                if exc.target_spent:
+                    raise
                 if exc.streamed:
                     raise PrefillError(str(exc), "unavailable") from None
                 # A full pool, or every prefill server failing (restarting, unreachable): tried
