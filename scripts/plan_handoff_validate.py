@@ -43,14 +43,20 @@ TOLERANCE = 0.15
 
 
 def predict(
-    profile: Profile, link: list[dict[str, Any]], row: dict[str, Any], cores: int, layers: int
+    profile: Profile,
+    link: list[dict[str, Any]],
+    row: dict[str, Any],
+    cores: int,
+    layers: int,
+    least: int,
 ) -> dict[str, float]:
-    """What the planner charges one request of ``row``'s cell, unloaded."""
+    """What the planner charges one request of ``row``'s cell, unloaded; prefill streamed
+    prompts of ``least`` tokens and more."""
     encoding = "fp8" if row["mode"].endswith("fp8") else "raw"
     handoff = link_fit(link, row["rate_gbit"], encoding)
     if row["mode"].startswith(("layerwise", "push")):
-        # The bench's prefill servers' default threshold; pushes move every prompt by layer.
-        least = 0 if row["mode"].startswith("push") else ServingConfig.kv_stream_min_tokens
+        # Pushes move every prompt by layer.
+        least = 0 if row["mode"].startswith("push") else least
         handoff = replace(handoff, stream_layers=layers, stream_min_tokens=least)
     model = step_model(replace(profile, handoff=handoff), Role(1, cores))
     tokens = int(row["tokens"])
@@ -60,8 +66,7 @@ def predict(
     return {"pass_s": pass_s, "ttft_s": ttft_s, "added_s": added_s, "ready_s": ttft_s + added_s}
 
 
-def calibrated(profile: Profile, rows: list[dict[str, Any]], cores: int) -> Profile:
-    least = ServingConfig.kv_stream_min_tokens
+def calibrated(profile: Profile, rows: list[dict[str, Any]], cores: int, least: int) -> Profile:
     cells = [Cell.from_row(r, least) for r in rows if "tokens" in r]
     serving = fit_served_pass(profile.serving, profile.unit(cores).prefill, cells)
     print(
@@ -81,13 +86,21 @@ def main() -> None:
     ap.add_argument("--bench", type=Path, required=True)
     ap.add_argument("--calibration", type=Path, help="a bench_multinode.py table to fit to")
     ap.add_argument("--cores", type=int, default=2, help="the prefill server's cores")
+    ap.add_argument(
+        "--kv-stream-min-tokens",
+        type=int,
+        default=ServingConfig.kv_stream_min_tokens,
+        help="the tables' prefill servers' kv_stream_min_tokens (bench_multinode.py "
+        "--prefill-param; default the server's)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--out-profile", type=Path, help="save the calibrated profile here")
     args = ap.parse_args()
     layers = int(json.loads((args.model / "config.json").read_text())["num_hidden_layers"])
     profile = Profile.load(args.profile)
     if args.calibration:
-        profile = calibrated(profile, json.loads(args.calibration.read_text()), args.cores)
+        table = json.loads(args.calibration.read_text())
+        profile = calibrated(profile, table, args.cores, args.kv_stream_min_tokens)
         if args.out_profile:
             profile.save(args.out_profile)
     link = json.loads(args.link_json.read_text())
@@ -98,7 +111,7 @@ def main() -> None:
     )
     out = []
     for row in rows:
-        pred = predict(profile, link, row, args.cores, layers)
+        pred = predict(profile, link, row, args.cores, layers, args.kv_stream_min_tokens)
         # A push's wait for its last WRITEs is in its TTFT and in its added time alike.
         ready = row["ttft_s"] + row["added_s"] - row.get("push_wait_s", 0.0)
         ratio = pred["ready_s"] / ready
