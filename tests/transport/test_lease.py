@@ -61,17 +61,6 @@ def test_pulled_lease_outlives_its_expiry_until_released(setup):
     assert alloc.num_free == 16
 
 
-def test_on_pulled_runs_once_per_known_pull():
-    alloc = LockedAllocator(4)
-    pulls = []
-    table = LeaseTable(alloc.free, on_pulled=lambda: pulls.append(table.being_read()))
-    lease = table.grant(alloc.allocate(2), 1, ttl_s=5)
-    assert table.mark_pulled(b"x" * 16) is False
-    assert pulls == []
-    assert table.mark_pulled(lease.lease_id) is True
-    assert pulls == [1]  # called after the lease counts as being read
-
-
 def test_pulled_lease_still_expires_after_pull_ttl(setup):
     alloc, _, table = setup
     lease = table.grant(alloc.allocate(2), 1, ttl_s=5)

@@ -90,10 +90,8 @@ class LeaseTable:
         *,
         pull_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.time,
-        on_pulled: Callable[[], None] | None = None,
     ) -> None:
         self._free_blocks = free_blocks
-        self._on_pulled = on_pulled
         self._pull_ttl_s = pull_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -102,7 +100,6 @@ class LeaseTable:
         self._leased_blocks: Counter[int] = Counter()
         """Leases per block: with prefix caching, leases of prompts that share a cached prefix
         share its blocks (each lease holds one reference of the pool's allocator)."""
-        self._being_read: set[bytes] = set()
         self._counts = dict.fromkeys(("granted", "pulled", "released", "expired", "unknown"), 0)
 
     def grant(
@@ -131,15 +128,8 @@ class LeaseTable:
                 return False
             deadline = max(self._deadlines[lease_id], self._clock() + self._pull_ttl_s)
             self._deadlines[lease_id] = deadline
-            self._being_read.add(lease_id)
             self._counts["pulled"] += 1
-        if self._on_pulled is not None:
-            self._on_pulled()
         return True
-
-    def being_read(self) -> int:
-        """Leases a reader started copying and has not released yet."""
-        return len(self._being_read)
 
     def release(self, lease_id: bytes) -> bool:
         """Free the lease's blocks; False, freeing nothing, for an unknown or replayed id."""
@@ -178,7 +168,6 @@ class LeaseTable:
 
     def _pop(self, lease_id: bytes) -> Lease | None:
         lease = self._leases.pop(lease_id, None)
-        self._being_read.discard(lease_id)
         if lease is not None:
             del self._deadlines[lease_id]
             self._leased_blocks.subtract(lease.block_ids)

@@ -115,9 +115,6 @@ class LeasedTransport(KVTransport):
     def _encode(self, block_ids: list[int], layers: range) -> None:
         """Prepare ``layers`` of leased blocks for readers in the handle's encoding."""
 
-    def _pulled(self) -> None:
-        """A reader announced it is copying one of this owner's leases (the listener's thread)."""
-
     @property
     def owner_address(self) -> str | None:
         return self._listener.address if self._listener else None
@@ -128,9 +125,7 @@ class LeasedTransport(KVTransport):
         self._pool = pool
         self._pool_id = self._exported_pool_id(pool)
         if self._pool_id is not None:
-            self._leases = LeaseTable(
-                pool.allocator.free, pull_ttl_s=self._pull_ttl_s, on_pulled=self._pulled
-            )
+            self._leases = LeaseTable(pool.allocator.free, pull_ttl_s=self._pull_ttl_s)
             self._listener = ReleaseListener(
                 self._ctx,
                 self._key,
