@@ -8,10 +8,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from streamed_engine import decode_engine
 
 from splitserve import SamplingParams
-from splitserve.engine.build import build_components, scheduler_limits
-from splitserve.engine.engine import Engine
+from splitserve.engine.build import build_components
 from splitserve.engine.scheduler import LoadAgain
 from splitserve.engine_config import EngineConfig
 from splitserve.kv.allocator import BlocksStillWritten
@@ -134,15 +134,7 @@ def test_a_request_that_ends_while_its_push_waits_for_other_blocks_calls_nothing
 
 def test_the_engine_reserves_other_blocks_and_leaves_the_first_to_the_transport(puller):
     parts = build_components(EngineConfig(model="tiny", num_kv_blocks=64, max_model_len=128))
-    cfg = EngineConfig(model="tiny", num_kv_blocks=64)
-    engine = Engine(
-        parts.model,
-        parts.new_pool(),
-        parts.tokenizer,
-        scheduler_limits(cfg),
-        parts.max_model_len,
-        puller=puller,
-    )
+    engine = decode_engine(parts, puller)
     allocator = engine.scheduler.allocator
 
     class Holding(Transport):

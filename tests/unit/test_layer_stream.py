@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from streamed_engine import decode_engine
 
 from splitserve import SamplingParams
 from splitserve.engine.build import build_components, scheduler_limits
@@ -101,18 +102,6 @@ def test_a_failed_read_ends_the_pull_with_its_error(puller):
     with pytest.raises(RuntimeError, match="link cut"):
         done.result(timeout=5)
     assert transport.released == 1
-
-
-def decode_engine(parts, puller) -> Engine:
-    cfg = EngineConfig(model="tiny", num_kv_blocks=64)
-    return Engine(
-        parts.model,
-        parts.new_pool(),
-        parts.tokenizer,
-        scheduler_limits(cfg),
-        parts.max_model_len,
-        puller=puller,
-    )
 
 
 def solo(parts, ids: list[int], params: SamplingParams) -> list[int]:

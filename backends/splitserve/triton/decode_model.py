@@ -150,6 +150,11 @@ class DecodeModel(GenerateModelBase):
         )
         params = prep.gen.params
         self.loop.add_streaming(rid, prep.prompt_ids, params, seed, source, sink, prep.deadline)
+
+        def fail(why: str, kind: str) -> None:
+            source.failed(why)  # its blocks wait until no WRITE can land in them
+            self.loop.fail_request(rid, why, kind)
+
         failover = False
         while True:
             try:
@@ -161,20 +166,19 @@ class DecodeModel(GenerateModelBase):
                 break
             except PrefillFailed as exc:  # its server failed, and may write on into the blocks
                 if failover:
-                    why = f"prefill unavailable: {exc} (the prompt's KV push is dropped)"
-                    source.failed(why)
-                    self.loop.fail_request(rid, why, "unavailable")
+                    fail(
+                        f"prefill unavailable: {exc} (the prompt's KV push is dropped)",
+                        "unavailable",
+                    )
                     return
                 source.again(str(exc))  # once more, on another server, into other blocks
                 failover = True
             except PrefillError as exc:
-                source.failed(str(exc))
-                self.loop.fail_request(rid, str(exc), exc.kind)
+                fail(str(exc), exc.kind)
                 return
             except Exception as exc:  # every request must end with FINAL, whatever went wrong
                 log.exception("request %s failed before decode", rid)
-                source.failed(f"internal error: {exc}")
-                self.loop.fail_request(rid, f"internal error: {exc}", "internal")
+                fail(f"internal error: {exc}", "internal")
                 return
         if prefilled is None:
             source.failed("the client cancelled")  # the loop ends the request (it polls)
@@ -184,9 +188,7 @@ class DecodeModel(GenerateModelBase):
             self.transport.release(handle)  # every block cached here: nothing to fetch
         elif handle != target:  # a prefill that did not push (it leased the KV instead)
             self.transport.release(handle)
-            why = "the prefill server answered a push with a handle of its own"
-            source.failed(why)
-            self.loop.fail_request(rid, why, "internal")
+            fail("the prefill server answered a push with a handle of its own", "internal")
             return
         source.arrived()
         self.loop.first_token(rid, first)
