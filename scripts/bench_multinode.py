@@ -14,7 +14,9 @@ between the request's later tokens; it asks for 8). A push's first token waits f
 WRITEs after the pass. Printed per cell: the prompt pass (prefill's own busy seconds per pass),
 TTFT, the added time and its fraction of the pass, *ready* (when decode could run the
 request's first step: the second token less a step; medians), and the decode server's handoff
-time per request (the time in its READs; none for ``push``). With ``--stall``, a greedy stream
+time per request (the time in its READs; none for ``push``); at the end, with ``whole`` among
+the modes, each other cell's ready time over whole's (streaming's honest gain: a pass it
+lengthened counts against it). With ``--stall``, a greedy stream
 runs meanwhile and the script prints its longest gap between tokens while each prompt's KV
 crosses. Needs root.
 
@@ -156,8 +158,19 @@ def measure(
             counters(prefill, "prefill", *pushed),
         )
 
+    # The cell's first prompt warms both servers to its length, outside the counters: the
+    # pass column is the timed prompts' own.
+    texts = json.loads(prompts.read_text())
+    for name, part in (("warm", texts[:1]), ("timed", texts[1:])):
+        prompts.with_suffix(f".{name}.json").write_text(json.dumps(part))
+
+    def send(name: str) -> list[list[float]]:
+        path = prompts.with_suffix(f".{name}.json")
+        return run_client(decode, "timing", "127.0.0.1:8001", str(path), str(TOKENS))
+
+    send("warm")
     before = read()
-    stamps = run_client(decode, "timing", "127.0.0.1:8001", str(prompts), str(TOKENS))[1:]
+    stamps = send("timed")
     after = read()
     # A decode step: the median gap after the second token. One gap alone misleads: two
     # responses sometimes reach the client together, a gap of ~0.
@@ -197,6 +210,24 @@ def report(row: dict[str, Any]) -> None:
         f"ready {row['ready_s'] * 1e3:7.1f} ms  (handoff {row['handoff_s'] * 1e3:6.1f} ms)",
         flush=True,
     )
+
+
+def versus_whole(rows: list[dict[str, Any]]) -> None:
+    """Per cell, the request's ready time over that of the same prompts handed over whole: what
+    streaming or pushing gained, the pass it may have lengthened included."""
+    cells = [r for r in rows if "mode" in r]  # not the --stall rows
+    whole = {(r["rate_gbit"], r["tokens"]): r["ready_s"] for r in cells if r["mode"] == "whole"}
+    for row in cells:
+        key = (row["rate_gbit"], row["tokens"])
+        if row["mode"] == "whole" or key not in whole:
+            continue
+        rate = "unlimited" if key[0] is None else f"{key[0]:g} Gbit/s"
+        print(
+            f"{row['mode']:>13}  link {rate:>10}  {row['tokens']:5d} tokens  ready "
+            f"{row['ready_s'] / whole[key]:.3f}x whole's ({row['ready_s'] * 1e3:7.1f} / "
+            f"{whole[key] * 1e3:7.1f} ms)",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -282,6 +313,7 @@ def main() -> None:
                     if args.stall:
                         prompts = fresh_prompts(max(LENGTHS))
                         rows.append(stall_row(decode, rate, prompts))
+    versus_whole(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))

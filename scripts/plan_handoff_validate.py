@@ -49,15 +49,18 @@ def predict(
     cores: int,
     layers: int,
     least: int,
+    gap_s: float,
 ) -> dict[str, float]:
     """What the planner charges one request of ``row``'s cell, unloaded; prefill streamed
-    prompts of ``least`` tokens and more."""
+    prompts of ``least`` tokens and more, in runs of layers ``gap_s`` of pass apart."""
     encoding = "fp8" if row["mode"].endswith("fp8") else "raw"
     handoff = link_fit(link, row["rate_gbit"], encoding)
     if row["mode"].startswith(("layerwise", "push")):
         # Pushes move every prompt by layer.
         least = 0 if row["mode"].startswith("push") else least
-        handoff = replace(handoff, stream_layers=layers, stream_min_tokens=least)
+        handoff = replace(
+            handoff, stream_layers=layers, stream_min_tokens=least, stream_min_gap_s=gap_s
+        )
     model = step_model(replace(profile, handoff=handoff), Role(1, cores))
     tokens = int(row["tokens"])
     pass_s = model.prompt_pass([tokens])
@@ -93,6 +96,12 @@ def main() -> None:
         help="the tables' prefill servers' kv_stream_min_tokens (bench_multinode.py "
         "--prefill-param; default the server's)",
     )
+    ap.add_argument(
+        "--kv-stream-min-gap-s",
+        type=float,
+        default=ServingConfig.kv_stream_min_gap_s,
+        help="the tables' prefill servers' kv_stream_min_gap_s (default the server's)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--out-profile", type=Path, help="save the calibrated profile here")
     args = ap.parse_args()
@@ -111,7 +120,10 @@ def main() -> None:
     )
     out = []
     for row in rows:
-        pred = predict(profile, link, row, args.cores, layers, args.kv_stream_min_tokens)
+        pred = predict(
+            profile, link, row, args.cores, layers, args.kv_stream_min_tokens,
+            args.kv_stream_min_gap_s,
+        )  # fmt: skip
         # A push's wait for its last WRITEs is in its TTFT and in its added time alike.
         ready = row["ttft_s"] + row["added_s"] - row.get("push_wait_s", 0.0)
         ratio = pred["ready_s"] / ready

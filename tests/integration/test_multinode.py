@@ -60,11 +60,10 @@ def servers(
     started: dict[str, Server] = {}
     try:
         # A mixed fleet: prefill1 streams its KV by layer (the default; here for short prompts
-        # too), prefill0 hands it over after the pass; the decode server learns which is which.
-        for name, mode in (
-            ("prefill0", "--no-kv-stream-layers"),
-            ("prefill1", "--kv-stream-layers --param kv_stream_min_tokens=0"),
-        ):
+        # too, each layer announced alone), prefill0 hands it over after the pass; the decode
+        # server learns which is which.
+        stream = "--kv-stream-layers --param kv_stream_min_tokens=0 --param kv_stream_min_gap_s=0"
+        for name, mode in (("prefill0", "--no-kv-stream-layers"), ("prefill1", stream)):
             node = cluster[name]
             started[name] = Server(
                 node,

@@ -112,3 +112,22 @@ def test_a_streamed_handoff_adds_its_last_layer_or_what_the_pass_did_not_cover()
     assert streamed.added_after_pass(kv, 0.1) == pytest.approx(left)
     assert HandoffFit.from_dict(streamed.to_dict()) == streamed
     assert HandoffFit.from_dict({"fixed_s": 1.0, "bytes_per_s": 2.0}).stream_layers == 0
+
+
+def test_a_handoff_streamed_in_runs_of_layers_leaves_its_last_run_after_the_pass() -> None:
+    # 12 layers of a 0.12 s pass (10 ms each) handed on at least 40 ms apart: every 4 layers.
+    thirds = HandoffFit(0.001, 125e6, stream_layers=12, stream_min_gap_s=0.04)
+    kv = 4.8e6
+    # The link outruns the pass: the last third moves after it.
+    assert thirds.added_after_pass(kv, 0.12) == pytest.approx(0.001 + kv / 3 / 125e6)
+    # Slower than the pass: the link starts at the first third and never idles after it.
+    slow = HandoffFit(0.001, 12.5e6, stream_layers=12, stream_min_gap_s=0.04)
+    left = 3 * 0.001 + kv / 12.5e6 - 0.12 * 2 / 3
+    assert slow.added_after_pass(kv, 0.12) == pytest.approx(left)
+    # Layers longer than the gap go one by one, as with no gap.
+    per_layer = HandoffFit(0.001, 125e6, stream_layers=12)
+    assert thirds.added_after_pass(kv, 4.0) == pytest.approx(per_layer.added_after_pass(kv, 4.0))
+    # A gap longer than the pass: all of it after the pass, as if it did not stream.
+    once = HandoffFit(0.001, 125e6, stream_layers=12, stream_min_gap_s=1.0)
+    assert once.added_after_pass(kv, 0.12) == pytest.approx(once(kv))
+    assert HandoffFit.from_dict(thirds.to_dict()) == thirds

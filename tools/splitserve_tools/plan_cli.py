@@ -142,13 +142,19 @@ def cmd_plan_search(args: argparse.Namespace) -> None:
         least = args.kv_stream_min_tokens
         if least is None:
             least = ServingConfig.kv_stream_min_tokens
+        gap = args.kv_stream_min_gap_s
+        if gap is None:
+            gap = ServingConfig.kv_stream_min_gap_s
         handoff = replace(
-            profile.handoff, stream_layers=args.kv_stream_layers, stream_min_tokens=least
+            profile.handoff,
+            stream_layers=args.kv_stream_layers,
+            stream_min_tokens=least,
+            stream_min_gap_s=gap,
         )
         profile = replace(profile, handoff=handoff)
         print(
-            f"the KV streams by layer during the pass ({args.kv_stream_layers} layers; prompts "
-            f"under {least} tokens after it)"
+            f"the KV streams by layer during the pass ({args.kv_stream_layers} layers, runs at "
+            f"least {gap * 1e3:g} ms of pass apart; prompts under {least} tokens after it)"
         )
     budgets = args.cores or args.gpus
     if (args.cores is not None) != (profile.device == "cpu"):
@@ -370,6 +376,12 @@ def add_plan_parsers(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="with --kv-stream-layers: shorter prompts move after the pass (default: the "
         "prefill server's default kv_stream_min_tokens)",
+    )
+    s.add_argument(
+        "--kv-stream-min-gap-s",
+        type=float,
+        help="with --kv-stream-layers: the least pass time between two runs of layers handed "
+        "on (default: the prefill server's default kv_stream_min_gap_s)",
     )
     s.add_argument("--top", type=int, default=8, help="placements to print")
     s.add_argument("--out", type=Path, help="write the best placement as plan.json")

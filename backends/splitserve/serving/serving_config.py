@@ -91,6 +91,10 @@ class ServingConfig:
     """With ``kv_stream_layers``: prompts shorter than this are answered whole, after the pass
     (their transfer is short, and streaming's per-layer work lengthened short passes:
     BENCHMARKS.md, "Layer-wise KV streaming")."""
+    kv_stream_min_gap_s: float = 0.05
+    """Prefill servers: a pass that streams or pushes its KV hands its written layers on (one
+    announcement, one WRITE each time) at most once per this much of the pass, the last layer
+    at once (``serving.layer_chunks``); 0: layer by layer."""
     kv_push: bool = False
     """Decode servers (``--role decode``, ``nixl``): reserve a prompt's blocks before calling
     prefill and let prefill WRITE each layer into them as its pass writes it, answering once all
@@ -131,6 +135,8 @@ class ServingConfig:
             )
         if self.kv_stream_min_tokens < 0:
             raise ValueError("kv_stream_min_tokens must be >= 0")
+        if self.kv_stream_min_gap_s < 0:
+            raise ValueError("kv_stream_min_gap_s must be >= 0")
         if self.kv_stream_layers and self.transport != "nixl":
             raise ValueError("kv_stream_layers needs transport nixl (KV across machines)")
         if self.kv_push and (self.transport != "nixl" or not self.remote_prefill):

@@ -55,7 +55,7 @@ COUNTERS = {
     "before it was in",
     "kv_pushed_bytes_total": "Bytes of KV this prefill instance WRITEs into decode's blocks, "
     "as they cross the network",
-    "kv_pushed_layers_total": "Layer WRITEs this prefill instance posted",
+    "kv_pushed_layers_total": "Layers of KV this prefill instance posted WRITEs for",
     "kv_push_post_seconds_total": "Seconds the prompt pass spent posting its pushes' WRITEs",
     "kv_pushes_sent_total": "Pushes this prefill instance finished (answered or failed)",
     "kv_push_wait_seconds_total": "Seconds this prefill's answers waited after their pass for "

@@ -20,6 +20,7 @@ from splitserve.serving.affinity import allowed_cores
 from splitserve.serving.core_lend import CoreLock
 from splitserve.serving.decode_lend import PassBorrower, pass_borrower_for
 from splitserve.serving.heap import HeapTrimmer
+from splitserve.serving.layer_chunks import LayerChunks
 from splitserve.serving.stats import InstanceStats, record_kv_pool, record_transport
 from splitserve.transport import get_transport
 from splitserve.transport.key import load_key
@@ -90,6 +91,7 @@ class PrefillModel:
         """Decoupled: the KV streams by layer (``prefill_stream``), else one response at the
         end of the pass."""
         self.stream_min_tokens = cfg.kv_stream_min_tokens
+        self.stream_gap_s = cfg.kv_stream_min_gap_s
         if self.streams != cfg.kv_stream_layers:
             raise ValueError("prefill is decoupled exactly when kv_stream_layers is set")
         self.stats = InstanceStats()
@@ -166,6 +168,11 @@ class PrefillModel:
             send(sender, response, FINAL)
         return None
 
+    def _chunked(self, publish: Callable[[range], None]) -> Callable[[int], None]:
+        """A pass's per-layer hook that calls ``publish`` with runs of written layers, at most
+        once per ``kv_stream_min_gap_s`` (made just before the pass)."""
+        return LayerChunks(self.pool.layout.num_layers, self.stream_gap_s, publish).written
+
     def _timed(self, reqs: list[Request], compute: Callable[[], list[int]]) -> list[int]:
         """One prompt pass of ``reqs`` on this instance's cores, recorded in its stats."""
         with self._computing(reqs):
@@ -198,7 +205,7 @@ class PrefillModel:
         if not reqs:  # every target was refused
             return
         try:
-            hook = pushes.written if pushes else None
+            hook = self._chunked(pushes.written) if pushes else None
             first = self._timed(reqs, lambda: self.engine.run(reqs, hook))
         except Exception as exc:
             pushes.finish()
@@ -279,10 +286,10 @@ class PrefillModel:
         responses: list[Any],
         targets: dict[int, bytes],
     ) -> None:
-        """Lease the blocks and answer with their handles before the pass; announce each layer
-        as it is written; the first tokens go into ``responses`` (sent FINAL by the caller).
-        Prompts shorter than ``kv_stream_min_tokens`` are answered whole, after the pass; those
-        with a target are pushed."""
+        """Lease the blocks and answer with their handles before the pass; announce runs of
+        layers (``kv_stream_min_gap_s``) as they are written; the first tokens go into
+        ``responses`` (sent FINAL by the caller). Prompts shorter than ``kv_stream_min_tokens``
+        are answered whole, after the pass; those with a target are pushed."""
         try:
             self.engine.allocate([r for _, r in batch])  # frees what it took if it fails
         except Exception as exc:
@@ -315,14 +322,14 @@ class PrefillModel:
             announcer = LayerAnnouncer([senders[k] for k in handles], self.pool.device)
             announce = announcer.written
 
-            def hook(layer: int) -> None:
+            def publish(layers: range) -> None:
                 if handles:
-                    self.transport.publish_layers(blocks, range(layer, layer + 1))
-                    announce(layer + 1)
+                    self.transport.publish_layers(blocks, layers)
+                    announce(layers.stop)
                 if pushes:
-                    pushes.written(layer)
+                    pushes.written(layers)
 
-            run_hook = hook if handles or pushes else None
+            run_hook = self._chunked(publish) if handles or pushes else None
             first = self._timed(reqs, lambda: self.engine.run(reqs, run_hook))
         except Exception as exc:
             pushes.finish()

@@ -1,7 +1,7 @@
 """``prefill`` pushing prompts' KV into decode's blocks: the requests of a pass that came with a
-``kv_target`` (``serving.layer_push``). Each layer is WRITten as soon as the pass wrote it; the
-request is answered once all its WRITEs are done, with the target as its handle, and its blocks
-here are freed then (nothing is leased)."""
+``kv_target`` (``serving.layer_push``). Each run of layers (``serving.layer_chunks``) is WRITten
+as soon as the pass wrote it; the request is answered once all its WRITEs are done, with the
+target as its handle, and its blocks here are freed then (nothing is leased)."""
 
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ class PassPushes:
         self._keys[i] = self._nixl.open_push(target, req.block_ids)
         self._targets[i] = target
 
-    def written(self, layer: int) -> None:
-        """Layer ``layer`` of the pass is written: WRITE it for every push."""
+    def written(self, layers: range) -> None:
+        """``layers`` of the pass are written: WRITE them for every push."""
         assert self._nixl is not None  # a push was opened
         if self._cuda:
-            torch.cuda.current_stream().synchronize()  # the layer's writes are only enqueued
+            torch.cuda.current_stream().synchronize()  # the layers' writes are only enqueued
         for key in self._keys.values():
-            self._nixl.push_layers(key, range(layer, layer + 1))
+            self._nixl.push_layers(key, layers)
 
     def finish(self) -> dict[int, str | None]:
         """Wait for every push's WRITEs; per request, why its push failed (None: it is in)."""

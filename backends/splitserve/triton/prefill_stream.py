@@ -1,5 +1,6 @@
 """``prefill`` streaming its KV by layer (a decoupled model): per request, the handle before the
-pass, a ``layers_ready`` count as each layer is written, the first token last (FINAL).
+pass, a ``layers_ready`` count as each run of layers is written (``serving.layer_chunks``), the
+first token last (FINAL).
 
 The counts go out from a sender thread of the batch, so the pass never waits on Triton's IPC;
 it sends the newest count only (a pass can outrun the sends), and it sends a count only once

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from splitserve.serving.layer_chunks import run_ends
+
 
 def _lstsq(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
     """Non-negative least squares weighted by 1/y, so short and long steps count alike
@@ -122,6 +124,9 @@ class HandoffFit:
     stream_min_tokens: int = 0
     """With ``stream_layers``: prompts shorter than this move after the pass all the same
     (the prefill server's ``kv_stream_min_tokens``)."""
+    stream_min_gap_s: float = 0.0
+    """With ``stream_layers``: the least pass time between two runs of layers handed on (the
+    prefill server's ``kv_stream_min_gap_s``, ``serving.layer_chunks``); 0: layer by layer."""
 
     def streams(self, tokens: int) -> bool:
         """Whether a prompt of ``tokens`` tokens streams its KV during the pass."""
@@ -132,13 +137,17 @@ class HandoffFit:
 
     def added_after_pass(self, nbytes: float, pass_s: float) -> float:
         """What moving ``nbytes`` of a prompt's KV adds after its pass of ``pass_s`` ends: the
-        whole transfer; streamed, the last layer's, or, where the link is slower than the pass
-        writes KV, the part of all the layers' transfers the pass did not cover."""
+        whole transfer; streamed, the last run of layers', or, where the link is slower than
+        the pass writes KV, the part of all the runs' transfers the pass did not cover (each
+        run leaves once the pass wrote it and the link is free)."""
         n = self.stream_layers
         if not n:
             return self(nbytes)
-        behind = n * self.fixed_s + nbytes / self.bytes_per_s - pass_s * (n - 1) / n
-        return max(self(nbytes / n), behind)
+        finish, start = 0.0, 0
+        for end in run_ends(n, pass_s, self.stream_min_gap_s):
+            finish = max(finish, pass_s * end / n) + self(nbytes * (end - start) / n)
+            start = end
+        return finish - pass_s
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -150,6 +159,7 @@ class HandoffFit:
             float(d["bytes_per_s"]),
             int(d.get("stream_layers", 0)),
             int(d.get("stream_min_tokens", 0)),
+            float(d.get("stream_min_gap_s", 0.0)),
         )
 
 
