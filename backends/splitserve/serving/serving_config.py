@@ -92,9 +92,9 @@ class ServingConfig:
     (their transfer is short, and streaming's per-layer work lengthened short passes:
     BENCHMARKS.md, "Layer-wise KV streaming")."""
     kv_stream_min_gap_s: float = 0.05
-    """Prefill servers: a pass that streams or pushes its KV hands its written layers on (one
-    announcement, one WRITE each time) at most once per this much of the pass, the last layer
-    at once (``serving.layer_chunks``); 0: layer by layer."""
+    """Prefill servers on CPUs: a pass that streams or pushes its KV hands its written layers on
+    (one announcement, one WRITE each time) at most once per this much of the pass, the last
+    layer at once (``serving.layer_chunks``); 0: layer by layer, as on GPUs always."""
     kv_push: bool = False
     """Decode servers (``--role decode``, ``nixl``): reserve a prompt's blocks before calling
     prefill and let prefill WRITE each layer into them as its pass writes it, answering once all

@@ -91,7 +91,9 @@ class PrefillModel:
         """Decoupled: the KV streams by layer (``prefill_stream``), else one response at the
         end of the pass."""
         self.stream_min_tokens = cfg.kv_stream_min_tokens
-        self.stream_gap_s = cfg.kv_stream_min_gap_s
+        # A GPU pass is enqueued ahead of the device and does not pay for the responses on the
+        # host: its layers go one by one (the announcer sends each once the device passed it).
+        self.stream_gap_s = cfg.kv_stream_min_gap_s if pool.device.type == "cpu" else 0.0
         if self.streams != cfg.kv_stream_layers:
             raise ValueError("prefill is decoupled exactly when kv_stream_layers is set")
         self.stats = InstanceStats()
