@@ -4,7 +4,8 @@ decode server (`splitserve serve --role ...`) in two network namespaces
 
 Per transfer mode (both servers restarted for each: ``whole`` hands the KV over after the pass,
 ``layerwise`` streams it by layer during the pass (decode pulls what prefill announces),
-``push`` has prefill WRITE each layer into blocks decode reserved, ``-fp8`` adds the fp8
+``push`` has prefill WRITE its layers, as written, into blocks decode reserved (both in runs of
+layers: ``--prefill-param kv_stream_min_gap_s=0`` for each layer alone), ``-fp8`` adds the fp8
 encoding), link rate and prompt length (exact token counts, 100m checkpoint in bfloat16 by
 default), prompts are sent one at a time from inside the decode node. The first token streams
 as soon as prefill samples it; decoding starts once the KV is in, so what the transfer adds to
