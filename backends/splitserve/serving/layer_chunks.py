@@ -48,6 +48,10 @@ def run_ends(num_layers: int, pass_s: float, min_gap_s: float) -> tuple[int, ...
     layers take equal time: every ``ceil(min_gap_s / layer time)`` layers, and the last."""
     if num_layers < 1:
         raise ValueError("a pass has at least one layer")
-    layer_s = pass_s / num_layers
-    stride = num_layers if layer_s <= 0 else max(1, math.ceil(min_gap_s / layer_s - 1e-9))
+    if min_gap_s <= 0:
+        stride = 1  # the hook's gap test always passes
+    elif pass_s <= 0:
+        stride = num_layers
+    else:
+        stride = max(1, math.ceil(min_gap_s * num_layers / pass_s - 1e-9))
     return (*range(stride, num_layers, stride), num_layers)
