@@ -2,7 +2,7 @@
 decode server (`splitserve serve --role ...`) in two network namespaces
 (tests/integration/netns.py), NIXL over TCP only, the link between them limited by tc.
 
-Per transfer mode (both servers restarted for each: ``whole`` hands the KV over after the pass,
+Per transfer mode (a pair of servers for each: ``whole`` hands the KV over after the pass,
 ``layerwise`` streams it by layer during the pass (decode pulls what prefill announces),
 ``push`` has prefill WRITE its layers, as written, into blocks decode reserved (both in runs of
 layers: ``--prefill-param kv_stream_min_gap_s=0`` for each layer alone), ``-fp8`` adds the fp8
@@ -19,11 +19,15 @@ time per request (the time in its READs; none for ``push``); at the end, with ``
 the modes, each other cell's ready time over whole's (streaming's honest gain: a pass it
 lengthened counts against it). With ``--stall``, a greedy stream
 runs meanwhile and the script prints its longest gap between tokens while each prompt's KV
-crosses. Needs root.
+crosses. By default each mode's pair runs alone, one mode after another; with
+``--interleave`` every mode's pair is up at once (ports 8000 + 10 i) and each cell sends its
+prompts in turns across the modes, so that the host's speed, which varies from second to second
+on a shared machine (BENCHMARKS.md, "How steady the machine is"), weighs on every mode alike.
+Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
      [--modes whole,layerwise,layerwise-fp8,push,push-fp8] [--lengths 128,1024,4096]
-     [--split-cores]
+     [--split-cores] [--interleave]
      [--prefill-param KEY=VALUE]
 """
 
@@ -38,7 +42,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +87,28 @@ def run_client(node: netns.Node, *args: str) -> Any:
     return json.loads(done.stdout)
 
 
-def counters(node: netns.Node, model: str, *names: str) -> list[float]:
-    values = run_client(node, "gauges", "http://127.0.0.1:8002/metrics")
+@dataclass(frozen=True)
+class Pair:
+    """One mode's prefill and decode servers, each in its node on the same ports."""
+
+    mode: str
+    http: int
+
+    @property
+    def grpc(self) -> int:
+        return self.http + 1
+
+    @property
+    def metrics(self) -> int:
+        return self.http + 2
+
+    def ports(self) -> list[str]:
+        return ["--http-port", str(self.http), "--grpc-port", str(self.grpc),
+                "--metrics-port", str(self.metrics)]  # fmt: skip
+
+
+def counters(node: netns.Node, pair: Pair, model: str, *names: str) -> list[float]:
+    values = run_client(node, "gauges", f"http://127.0.0.1:{pair.metrics}/metrics")
     return [values.get(f"splitserve_{name}|{model}", 0.0) for name in names]
 
 
@@ -103,18 +128,18 @@ def server_args(model: str, dtype: str, max_model_len: int, work: Path) -> list[
 
 @contextmanager
 def serving(
-    node: netns.Node, args: list[str], log: Path, cores: str | None = None
+    node: netns.Node, args: list[str], log: Path, pair: Pair, cores: str | None = None
 ) -> Iterator[None]:
     """`splitserve serve ARGS` in ``node``, ready, for the ``with`` block; stopped after it.
     With ``cores``, the whole server (every thread it makes) runs on those cores only."""
     env = {**os.environ, "UCX_TLS": "tcp"}
     pin = ["taskset", "-c", cores] if cores else []
     with log.open("wb") as out:
-        proc = node.popen([*pin, str(SPLITSERVE), "serve", *args], env=env, stdout=out,
-                          stderr=out)  # fmt: skip
+        proc = node.popen([*pin, str(SPLITSERVE), "serve", *args, *pair.ports()], env=env,
+                          stdout=out, stderr=out)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
-        while not run_client(node, "ready", "http://127.0.0.1:8000"):
+        while not run_client(node, "ready", f"http://127.0.0.1:{pair.http}"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"{node.name} did not start: {log}")
             time.sleep(2)
@@ -124,9 +149,10 @@ def serving(
         proc.wait(60)
 
 
-def stall_row(decode: netns.Node, rate: float | None, prompts: Path) -> dict[str, Any]:
+def stall_row(decode: netns.Node, pair: Pair, rate: float | None, prompts: Path) -> dict[str, Any]:
     length = max(LENGTHS)
-    got = run_client(decode, "stall", "127.0.0.1:8001", "A stream that keeps going", str(prompts))
+    url = f"127.0.0.1:{pair.grpc}"
+    got = run_client(decode, "stall", url, "A stream that keeps going", str(prompts))
     row = {
         "rate_gbit": rate,
         "stall_tokens": length,
@@ -144,35 +170,34 @@ def stall_row(decode: netns.Node, rate: float | None, prompts: Path) -> dict[str
     return row
 
 
-def measure(
-    cluster: netns.Cluster, mode: str, rate: float | None, length: int, prompts: Path
-) -> dict[str, Any]:
+Counts = tuple[list[float], list[float], list[float]]
+"""A pair's counters: prefill's busy seconds and passes, decode's handoff seconds and
+handoffs, prefill's push wait seconds and pushes."""
+
+
+def read(cluster: netns.Cluster, pair: Pair) -> Counts:
     prefill, decode = cluster["prefill0"], cluster["decode"]
-    busy = ("engine_busy_seconds_total", "engine_steps_total")
-    handoff = ("kv_handoff_seconds_total", "kv_handoffs_total")
-    pushed = ("kv_push_wait_seconds_total", "kv_pushes_sent_total")
+    return (
+        counters(prefill, pair, "prefill", "engine_busy_seconds_total", "engine_steps_total"),
+        counters(decode, pair, "llm", "kv_handoff_seconds_total", "kv_handoffs_total"),
+        counters(prefill, pair, "prefill", "kv_push_wait_seconds_total", "kv_pushes_sent_total"),
+    )
 
-    def read() -> tuple[list[float], list[float], list[float]]:
-        return (
-            counters(prefill, "prefill", *busy),
-            counters(decode, "llm", *handoff),
-            counters(prefill, "prefill", *pushed),
-        )
 
-    # The cell's first prompt warms both servers to its length, outside the counters: the
-    # pass column is the timed prompts' own.
-    texts = json.loads(prompts.read_text())
-    for name, part in (("warm", texts[:1]), ("timed", texts[1:])):
-        prompts.with_suffix(f".{name}.json").write_text(json.dumps(part))
+def send(cluster: netns.Cluster, pair: Pair, texts: list[str], path: Path) -> list[list[float]]:
+    """Each prompt's token arrival times, the prompts sent one at a time from the decode node."""
+    path.write_text(json.dumps(texts))
+    return run_client(cluster["decode"], "timing", f"127.0.0.1:{pair.grpc}", str(path), str(TOKENS))
 
-    def send(name: str) -> list[list[float]]:
-        path = prompts.with_suffix(f".{name}.json")
-        return run_client(decode, "timing", "127.0.0.1:8001", str(path), str(TOKENS))
 
-    send("warm")
-    before = read()
-    stamps = send("timed")
-    after = read()
+def cell_row(
+    mode: str,
+    rate: float | None,
+    length: int,
+    before: Counts,
+    after: Counts,
+    stamps: list[list[float]],
+) -> dict[str, Any]:
     # A decode step: the median gap after the second token. One gap alone misleads: two
     # responses sometimes reach the client together, a gap of ~0.
     steps = [statistics.median(b - a for a, b in itertools.pairwise(t[1:])) for t in stamps]
@@ -199,6 +224,29 @@ def measure(
         "push_wait_s": push_wait,
         "ready_s": ready,
     }
+
+
+def measure(
+    cluster: netns.Cluster, pairs: list[Pair], rate: float | None, length: int, prompts: Path
+) -> list[dict[str, Any]]:
+    """One cell per pair, the same prompts for each. The cell's first prompt warms the servers
+    to its length, outside the counters (the pass column is the timed prompts' own); the timed
+    ones go in turns, one prompt per pair, starting at the next pair each turn."""
+    warm, *timed = json.loads(prompts.read_text())
+    for pair in pairs:
+        send(cluster, pair, [warm], prompts.with_suffix(".warm.json"))
+    before = {p.mode: read(cluster, p) for p in pairs}
+    if len(pairs) == 1:  # all at once: one client for the cell
+        stamps = {pairs[0].mode: send(cluster, pairs[0], timed, prompts.with_suffix(".timed.json"))}
+    else:
+        stamps = {p.mode: [] for p in pairs}
+        for k, text in enumerate(timed):
+            for pair in pairs[k % len(pairs) :] + pairs[: k % len(pairs)]:
+                stamps[pair.mode] += send(cluster, pair, [text], prompts.with_suffix(f".{k}.json"))
+    after = {p.mode: read(cluster, p) for p in pairs}
+    return [
+        cell_row(p.mode, rate, length, before[p.mode], after[p.mode], stamps[p.mode]) for p in pairs
+    ]
 
 
 def report(row: dict[str, Any]) -> None:
@@ -249,6 +297,11 @@ def main() -> None:
         "two hosts; default: both servers on every core",
     )
     ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every mode's servers up at once, each cell's prompts sent in turns across the modes",
+    )
+    ap.add_argument(
         "--prefill-param",
         action="append",
         default=[],
@@ -263,6 +316,8 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
         sys.exit(f"bench_multinode: unknown modes {unknown} (of {list(MODES)})")
+    if args.interleave and args.stall:
+        sys.exit("bench_multinode: --stall runs with one mode's servers at a time")
     if (reason := netns.available()) is not None:
         sys.exit(f"bench_multinode: {reason}")
     model = checkpoint(args.model)
@@ -288,7 +343,6 @@ def main() -> None:
         # A 4k prompt's KV takes ~8 s at 0.05 Gbit/s: the transfer deadline (10 s) of a pull or
         # a push must not bind.
         decode_args = [*common, "--role", "decode", "--advertise-host", decode.address,
-                       f"--prefill-url={prefill.address}:8001",
                        "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
         prefill_args = [*common, "--role", "prefill", "--advertise-host", prefill.address,
                         "--param", "kv_transfer_timeout_s=60"]  # fmt: skip
@@ -299,21 +353,42 @@ def main() -> None:
             decode_cores, prefill_cores = "1", "0"
             decode_args += ["--decode-cores", "1", "--server-cores", "1"]
             prefill_args += ["--prefill-cores", "0", "--server-cores", "0"]
-        for mode in modes:
-            prefill_flags, decode_flags = MODES[mode]
-            with serving(decode, [*decode_args, *decode_flags],
-                         work / f"decode-{mode}.log", decode_cores), \
-                 serving(prefill, [*prefill_args, *prefill_flags],
-                         work / f"prefill-{mode}.log", prefill_cores):  # fmt: skip
+        pairs = [Pair(mode, 8000 + 10 * i if args.interleave else 8000) for i, mode in
+                 enumerate(modes)]  # fmt: skip
+        groups = [pairs] if args.interleave else [[p] for p in pairs]
+        for group in groups:
+            with ExitStack() as up:
+                for pair in group:
+                    prefill_flags, decode_flags = MODES[pair.mode]
+                    to_prefill = f"--prefill-url={prefill.address}:{pair.grpc}"
+                    up.enter_context(
+                        serving(
+                            decode,
+                            [*decode_args, to_prefill, *decode_flags],
+                            work / f"decode-{pair.mode}.log",
+                            pair,
+                            decode_cores,
+                        )
+                    )
+                    up.enter_context(
+                        serving(
+                            prefill,
+                            [*prefill_args, *prefill_flags],
+                            work / f"prefill-{pair.mode}.log",
+                            pair,
+                            prefill_cores,
+                        )
+                    )
                 for rate in parse_rates(args.rates):
                     for node in cluster:
                         netns.set_rate(node, rate)
                     for length in lengths:
-                        rows.append(measure(cluster, mode, rate, length, fresh_prompts(length)))
-                        report(rows[-1])
+                        for row in measure(cluster, group, rate, length, fresh_prompts(length)):
+                            rows.append(row)
+                            report(row)
                     if args.stall:
                         prompts = fresh_prompts(max(LENGTHS))
-                        rows.append(stall_row(decode, rate, prompts))
+                        rows.append(stall_row(decode, group[0], rate, prompts))
     versus_whole(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
