@@ -12,7 +12,7 @@ hide), with the link fitted to that rate and encoding. Measured: the pass (prefi
 seconds per pass), TTFT, and the added time (first-to-second token gap less a decode step).
 Compared: "ready" = TTFT + added (for a push less its wait, which both count), the time at
 which decode can run the request's first step; and "given the pass", the same prediction with
-the cell's measured pass in place of the profile's, which splits a miss into the pass (the
+the served pass scaled to the cell's measured one, which splits a miss into the pass (the
 machine's speed during the cell) and everything else the planner prices.
 
 With ``--calibration``, the served pass (its factor over the profiled one, whole and while it
@@ -130,9 +130,16 @@ def main() -> None:
         # A push's wait for its last WRITEs is in its TTFT and in its added time alike.
         ready = row["ttft_s"] + row["added_s"] - row.get("push_wait_s", 0.0)
         ratio = pred["ready_s"] / ready
-        # The rest of the prediction on the pass this cell measured: the host's speed during
-        # the cell moves its pass (BENCHMARKS.md, "How steady the machine is"), not the rest.
-        given = (row["pass_s"] + pred["ready_s"] - pred["pass_s"]) / ready
+        # The same prediction with the served pass scaled to the one this cell measured (what
+        # streaming hides depends on it too): the host's speed during the cell moves its pass
+        # (BENCHMARKS.md, "How steady the machine is"), not the rest of what is priced.
+        scale = row["pass_s"] / pred["pass_s"]
+        serving = replace(profile.serving, pass_factor=profile.serving.pass_factor * scale)
+        on_pass = predict(
+            replace(profile, serving=serving), link, row, args.cores, layers,
+            args.kv_stream_min_tokens, args.kv_stream_min_gap_s,
+        )  # fmt: skip
+        given = on_pass["ready_s"] / ready
         rate = "unlimited" if row["rate_gbit"] is None else f"{row['rate_gbit']:g} Gb/s"
         print(
             f"{row['mode']:>13} {rate:>9} {row['tokens']:>6}  "
@@ -142,7 +149,14 @@ def main() -> None:
             flush=True,
         )
         out.append(
-            {**row, "predicted": pred, "ready_s": ready, "ready_ratio": ratio, "given_pass": given}
+            {
+                **row,
+                "predicted": pred,
+                "ready_s": ready,
+                "ready_ratio": ratio,
+                "given_pass": given,
+                "predicted_on_pass": on_pass,
+            }
         )
     for key, what in (
         ("ready_ratio", "ready time"),
