@@ -16,6 +16,10 @@ A READ that has not finished by ``transfer_timeout_s`` is abandoned. NIXL cannot
 posted READ (releasing its handle leaves the bytes landing), so its destination blocks are held
 here, not returned to the caller (``BlocksStillWritten``), until the transfer settles; the owner's
 lease then expires on its side.
+
+Pushes (prefill WRITEs a prompt's layers into blocks decode named): decode's end is here and in
+``nixl_push``, prefill's end posts and follows its WRITEs in ``nixl_push_sender``; both ends'
+transfers are posted and polled by ``nixl_xfers``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,7 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,10 @@ from splitserve.transport.channel import PULL
 from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
 from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
 from splitserve.transport.nixl_parts import Wire, descriptor_table, mem_of, new_agent
-from splitserve.transport.nixl_push import IncomingPushes, OutgoingPush, settled_message
+from splitserve.transport.nixl_push import IncomingPushes
+from splitserve.transport.nixl_push_sender import COUNTS as PUSH_COUNTS
+from splitserve.transport.nixl_push_sender import PushSender
+from splitserve.transport.nixl_xfers import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -122,25 +127,10 @@ class NixlTransport(LeasedTransport):
         self._incoming = IncomingPushes(transfer_timeout_s) if accept_pushes else None
         """A reader's pushes (``push_target``): its registered pool takes prefill's WRITEs."""
         self._push_pool_id = secrets.token_bytes(16)
-        self._outgoing: dict[bytes, OutgoingPush] = {}
-        """An owner's pushes under way, by target lease id (``open_push``)."""
-        self._abandoned_pushes: list[OutgoingPush] = []
-        self._used_targets: OrderedDict[bytes, float] = OrderedDict()
-        """Targets pushed into (lease id → expiry): a replayed one is refused."""
-        self._push_lock = threading.Lock()
+        self._xfers: Transfers | None = None
+        self._pushes: PushSender | None = None
+        """An owner's pushes (``open_push``), from registration on."""
         self._warned_raw_push = False
-        self._push_counts = dict.fromkeys(
-            (
-                "pushed_bytes",
-                "pushed_layers",
-                "push_ns",
-                "push_errors",
-                "push_timeouts",
-                "pushes_sent",
-                "push_wait_ns",
-            ),
-            0,
-        )
 
     @property
     def agent_name(self) -> str | None:
@@ -166,6 +156,8 @@ class NixlTransport(LeasedTransport):
         if not pool.tensor.is_contiguous():
             raise ValueError("a NIXL-registered KV pool must be one contiguous tensor")
         self._agent = self._new_agent()
+        self._xfers = Transfers(self._agent)
+        self._pushes = PushSender(self._xfers, self._transfer_timeout_s)
         mem, device_id = mem_of(pool)
         nbytes = pool.num_blocks * pool.layout.block_bytes
         self._registered = self._agent.register_memory(
@@ -333,62 +325,17 @@ class NixlTransport(LeasedTransport):
             self._wire = Wire(self._agent, self._pool)
         return self._wire
 
-    def _state(self, xfer: Any, post: bool = False) -> str:
-        """``PROC``, ``DONE`` or ``ERR``; NIXL raises for a failed transfer (a peer that
-        disconnected), which is ``ERR`` here."""
-        try:
-            return str(self._agent.transfer(xfer) if post else self._agent.check_xfer_state(xfer))
-        except Exception as exc:  # nixl's binding errors share no base class beyond Exception
-            log.warning("KV transfer failed: %r", exc)
-            return "ERR"
-
-    def _release_xfer(self, xfer: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(xfer)
-        except Exception:  # a failed transfer's handle; the agent frees it at close
-            log.warning("could not release a KV transfer handle", exc_info=True)
-
-    def _poll(self, xfers: list[Any]) -> tuple[list[Any], str | None]:
-        """One look at posted ``xfers``: those still running, and the state of the first that
-        ended otherwise than ``DONE`` (None if none did); the ended ones are released."""
-        running, failed = [], None
-        for xfer in xfers:
-            state = self._state(xfer)
-            if state == "PROC":
-                running.append(xfer)
-                continue
-            self._release_xfer(xfer)
-            if state != "DONE" and failed is None:
-                failed = state
-        return running, failed
-
-    def _wait(self, xfers: list[Any], deadline: float) -> tuple[list[Any], str | None]:
-        """``_poll`` with doubling pauses until every transfer ended or ``deadline``
-        (``time.monotonic()``) passed: those still running then, and the first failure."""
-        pause, failed = 20e-6, None
-        while True:
-            xfers, bad = self._poll(xfers)
-            failed = failed or bad
-            if not xfers or time.monotonic() > deadline:
-                return xfers, failed
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
     def _read(
         self, peer: PeerPool, local: np.ndarray, remote: np.ndarray, mem: str, dst: list[int]
     ) -> None:
         """READ ``remote`` descriptors of ``peer`` into ``local`` ones; ``dst`` are the blocks
         they write (held, if the READ is abandoned)."""
-        xfer = self._agent.initialize_xfer(
-            "READ",
-            self._agent.get_xfer_descs(local, mem),
-            self._agent.get_xfer_descs(remote, peer.mem),
-            peer.agent_name,
-        )
+        xfers = self._transfers()
+        xfer = xfers.prepare("READ", local, mem, remote, peer)
         deadline = time.monotonic() + self._transfer_timeout_s
-        state: str | None = self._state(xfer, post=True)
+        state: str | None = xfers.state(xfer, post=True)
         if state == "PROC":
-            running, state = self._wait([xfer], deadline)
+            running, state = xfers.wait([xfer], deadline)
             if running:
                 self._counts["transfer_timeouts"] += 1
                 self._abandoned.append(_Abandoned(xfer, list(dst), peer.agent_name))
@@ -398,7 +345,7 @@ class NixlTransport(LeasedTransport):
                     dst,
                 )
         else:
-            self._release_xfer(xfer)
+            xfers.release(xfer)
             state = None if state == "DONE" else state
         if state is not None:
             self._counts["transfer_errors"] += 1
@@ -503,32 +450,22 @@ class NixlTransport(LeasedTransport):
                 "a decode server asks for KV pushes in the pool's dtype: they go unencoded; "
                 "start it with --kv-transfer-dtype fp8 too for fp8 on the wire"
             )
-        now = time.time()
-        with self._push_lock:
-            while self._used_targets and next(iter(self._used_targets.values())) < now:
-                self._used_targets.popitem(last=False)
-            if h.lease_id in self._used_targets:
-                raise InvalidHandle("KV push target already used (replayed target)")
-            self._used_targets[h.lease_id] = h.expiry
-        self._settle_abandoned()
+        sender = self._push_sender()
+        sender.claim(h)
+        sender.settle_abandoned()
         peer = self._peer(h)
         if max(h.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"push target names blocks beyond the pool's {peer.num_blocks}")
         if h.encoding == "fp8" and (not peer.wire_base or not peer.scales_base):
             raise InvalidHandle("push target says fp8 but its pool has no fp8 blocks")
         src = list(src_block_ids[len(src_block_ids) - len(h.block_ids) :])
-        with self._push_lock:
-            self._outgoing[h.lease_id] = OutgoingPush(h, peer.agent_name, src)
-        return h.lease_id
+        return sender.open(h, peer.agent_name, src)
 
     def push_layers(self, key: bytes, layers: range) -> None:
         """WRITE ``layers`` (written by the pass) of an open push; returns once posted. After
         the target's expiry or a failed WRITE nothing more is posted (``finish_push`` says)."""
-        push = self._outgoing[key]
-        if push.failed is not None:
-            return
-        if time.time() >= push.target.expiry:
-            push.failed = "the push target expired"
+        push = self._push_sender().writable(key)
+        if push is None:
             return
         started = time.perf_counter_ns()
         h = push.target
@@ -540,86 +477,38 @@ class NixlTransport(LeasedTransport):
         local, remote = self._descriptors(peer, runs[:, [0, 2]], runs[:, 1:], layers, h.encoding)
         assert self._pool is not None  # open_push checked it
         mem = mem_of(self._pool)[0]
-        try:
-            xfer = self._agent.initialize_xfer(
-                "WRITE",
-                self._agent.get_xfer_descs(local, mem),
-                self._agent.get_xfer_descs(remote, peer.mem),
-                peer.agent_name,
-            )
-        except Exception as exc:  # nixl's binding errors share no base class beyond Exception
-            push.failed = f"could not post a KV WRITE: {exc}"
-            return
-        state = self._state(xfer, post=True)
-        if state == "ERR":
-            self._release_xfer(xfer)
-            push.failed = f"a KV WRITE to {peer.agent_name} failed"
-        else:
-            push.xfers.append(xfer)
-        self._push_counts["pushed_bytes"] += int(local[:, 1].sum())
-        self._push_counts["pushed_layers"] += len(layers)
-        self._push_counts["push_ns"] += time.perf_counter_ns() - started
+        self._push_sender().write(push, local, mem, remote, peer, len(layers), started)
 
     def finish_push(self, key: bytes) -> None:
         """Wait until every WRITE of the push is done (the KV is in the target's blocks), then
         tell the target it settled. Raises if a WRITE failed, the target expired before the last
         layer, or the WRITEs missed the transfer timeout (then they are left to settle and the
         target hears of it when they have)."""
-        with self._push_lock:
-            push = self._outgoing.pop(key)
-        started = time.perf_counter_ns()
-        deadline = time.monotonic() + self._transfer_timeout_s
-        running, failed = self._wait(list(push.xfers), deadline)
-        if failed is not None and push.failed is None:
-            push.failed = f"a KV WRITE to {push.agent} failed ({failed})"
-        if running:
-            self._push_counts["push_timeouts"] += 1
-            push.xfers = running
-            with self._push_lock:
-                self._abandoned_pushes.append(push)
-            raise RuntimeError(
-                f"KV push to {push.agent} did not finish within {self._transfer_timeout_s:g} s"
-            )
-        self._push_counts["push_wait_ns"] += time.perf_counter_ns() - started
-        self._push_counts["pushes_sent"] += 1
-        self._settled(push)
-        if push.failed is not None:
-            self._push_counts["push_errors"] += 1
-            raise RuntimeError(push.failed)
+        self._push_sender().finish(key)
 
-    def _settled(self, push: OutgoingPush) -> None:
-        try:
-            self._agent.send_notif(push.agent, settled_message(push.target.lease_id))
-        except Exception:  # the target may be gone; its blocks then wait for their expiry
-            log.warning("could not tell %s that a KV push settled", push.agent, exc_info=True)
+    def _push_sender(self) -> PushSender:
+        if self._pushes is None:
+            raise RuntimeError("pushes need a registered pool")
+        return self._pushes
 
-    def _settle_abandoned(self) -> None:
-        """Tell the targets of abandoned pushes whose WRITEs have all ended."""
-        with self._push_lock:
-            abandoned, self._abandoned_pushes = self._abandoned_pushes, []
-        left = []
-        for push in abandoned:
-            push.xfers, _ = self._poll(push.xfers)
-            if push.xfers:
-                left.append(push)
-            else:
-                self._settled(push)
-        with self._push_lock:
-            self._abandoned_pushes += left
+    def _transfers(self) -> Transfers:
+        assert self._xfers is not None  # made with the agent, before any transfer
+        return self._xfers
 
     def reap(self) -> int:
         """Return the blocks of abandoned transfers that have settled; how many are still held.
         Runs on the reader's own thread (its allocator is not locked)."""
         assert self._pool is not None
         held, failed = [], set()
+        xfers = self._transfers()
         for item in self._abandoned:
-            state = self._state(item.xfer)
+            state = xfers.state(item.xfer)
             if state == "PROC":
                 held.append(item)
                 continue
             if state != "DONE":
                 failed.add(item.agent)
-            self._release_xfer(item.xfer)
+            xfers.release(item.xfer)
             self._pool.allocator.free(item.block_ids)
         self._abandoned = held
         for pool_id, peer in list(self._peers.items()):
@@ -630,7 +519,7 @@ class NixlTransport(LeasedTransport):
     def stats(self) -> dict[str, int]:
         held = sum(len(item.block_ids) for item in self._abandoned)
         counts = {**super().stats(), **self._counts, "held_blocks": held, "peers": len(self._peers)}
-        counts.update(self._push_counts)
+        counts.update(self._pushes.counts if self._pushes else dict.fromkeys(PUSH_COUNTS, 0))
         if self._incoming is not None:
             counts.update(self._incoming.counts)
         if self._metadata is not None:
@@ -642,14 +531,12 @@ class NixlTransport(LeasedTransport):
             self._metadata.close()
         if self._agent is None:
             return
+        xfers = self._transfers()
         for item in self._abandoned:
-            self._release_xfer(item.xfer)
+            xfers.release(item.xfer)
         self._abandoned.clear()
-        for push in [*self._abandoned_pushes, *self._outgoing.values()]:
-            for xfer in push.xfers:
-                self._release_xfer(xfer)
-        self._abandoned_pushes.clear()
-        self._outgoing.clear()
+        if self._pushes is not None:
+            self._pushes.close()
         for peer in self._peers.values():
             self._agent.remove_remote_agent(peer.agent_name)
         self._peers.clear()
