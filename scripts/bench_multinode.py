@@ -22,12 +22,14 @@ runs meanwhile and the script prints its longest gap between tokens while each p
 crosses. By default each mode's pair runs alone, one mode after another; with
 ``--interleave`` every mode's pair is up at once (ports 8000 + 10 i) and each cell sends its
 prompts in turns across the modes, so that the host's speed, which varies from second to second
-on a shared machine (BENCHMARKS.md, "How steady the machine is"), weighs on every mode alike.
+on a shared machine (BENCHMARKS.md, "How steady the machine is"), weighs on every mode alike;
+with ``--rounds N`` the whole grid is taken N times, ``--repeats`` prompts per cell each time,
+and each cell's numbers are over all of its rounds (its slow and fast stretches alike).
 Needs root.
 
 Run: python scripts/bench_multinode.py [--model 100m] [--rates 1,10,0.05] [--repeats 5]
      [--modes whole,layerwise,layerwise-fp8,push,push-fp8] [--lengths 128,1024,4096]
-     [--split-cores] [--interleave]
+     [--split-cores] [--interleave] [--rounds N]
      [--prefill-param KEY=VALUE]
 """
 
@@ -43,7 +45,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,11 @@ class Pair:
                 "--metrics-port", str(self.metrics)]  # fmt: skip
 
 
-def counters(node: netns.Node, pair: Pair, model: str, *names: str) -> list[float]:
+DEFAULT_PAIR = Pair("", 8000)
+"""The ports of ``splitserve serve``'s defaults (the other scripts' servers)."""
+
+
+def counters(node: netns.Node, model: str, *names: str, pair: Pair = DEFAULT_PAIR) -> list[float]:
     values = run_client(node, "gauges", f"http://127.0.0.1:{pair.metrics}/metrics")
     return [values.get(f"splitserve_{name}|{model}", 0.0) for name in names]
 
@@ -128,7 +134,11 @@ def server_args(model: str, dtype: str, max_model_len: int, work: Path) -> list[
 
 @contextmanager
 def serving(
-    node: netns.Node, args: list[str], log: Path, pair: Pair, cores: str | None = None
+    node: netns.Node,
+    args: list[str],
+    log: Path,
+    cores: str | None = None,
+    pair: Pair = DEFAULT_PAIR,
 ) -> Iterator[None]:
     """`splitserve serve ARGS` in ``node``, ready, for the ``with`` block; stopped after it.
     With ``cores``, the whole server (every thread it makes) runs on those cores only."""
@@ -178,9 +188,11 @@ handoffs, prefill's push wait seconds and pushes."""
 def read(cluster: netns.Cluster, pair: Pair) -> Counts:
     prefill, decode = cluster["prefill0"], cluster["decode"]
     return (
-        counters(prefill, pair, "prefill", "engine_busy_seconds_total", "engine_steps_total"),
-        counters(decode, pair, "llm", "kv_handoff_seconds_total", "kv_handoffs_total"),
-        counters(prefill, pair, "prefill", "kv_push_wait_seconds_total", "kv_pushes_sent_total"),
+        counters(prefill, "prefill", "engine_busy_seconds_total", "engine_steps_total", pair=pair),
+        counters(decode, "llm", "kv_handoff_seconds_total", "kv_handoffs_total", pair=pair),
+        counters(
+            prefill, "prefill", "kv_push_wait_seconds_total", "kv_pushes_sent_total", pair=pair
+        ),
     )
 
 
@@ -226,12 +238,31 @@ def cell_row(
     }
 
 
+@dataclass
+class Tally:
+    """A cell's counter deltas and token times, summed over the rounds that measured it."""
+
+    counts: Counts = field(default_factory=lambda: ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0]))
+    stamps: list[list[float]] = field(default_factory=list)
+
+    def add(self, before: Counts, after: Counts, stamps: list[list[float]]) -> None:
+        for total, b, a in zip(self.counts, before, after, strict=True):
+            total[0] += a[0] - b[0]
+            total[1] += a[1] - b[1]
+        self.stamps += stamps
+
+    def row(self, mode: str, rate: float | None, length: int) -> dict[str, Any]:
+        zero = ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
+        return cell_row(mode, rate, length, zero, self.counts, self.stamps)
+
+
 def measure(
-    cluster: netns.Cluster, pairs: list[Pair], rate: float | None, length: int, prompts: Path
-) -> list[dict[str, Any]]:
-    """One cell per pair, the same prompts for each. The cell's first prompt warms the servers
-    to its length, outside the counters (the pass column is the timed prompts' own); the timed
-    ones go in turns, one prompt per pair, starting at the next pair each turn."""
+    cluster: netns.Cluster, pairs: list[Pair], prompts: Path, tallies: dict[str, Tally]
+) -> None:
+    """One cell per pair, the same prompts for each, added to the pair's tally. The first
+    prompt warms the servers to the cell's length, outside the counters (the pass column is the
+    timed prompts' own); the timed ones go in turns, one prompt per pair, starting at the next
+    pair each turn."""
     warm, *timed = json.loads(prompts.read_text())
     for pair in pairs:
         send(cluster, pair, [warm], prompts.with_suffix(".warm.json"))
@@ -243,10 +274,8 @@ def measure(
         for k, text in enumerate(timed):
             for pair in pairs[k % len(pairs) :] + pairs[: k % len(pairs)]:
                 stamps[pair.mode] += send(cluster, pair, [text], prompts.with_suffix(f".{k}.json"))
-    after = {p.mode: read(cluster, p) for p in pairs}
-    return [
-        cell_row(p.mode, rate, length, before[p.mode], after[p.mode], stamps[p.mode]) for p in pairs
-    ]
+    for pair in pairs:
+        tallies[pair.mode].add(before[pair.mode], read(cluster, pair), stamps[pair.mode])
 
 
 def report(row: dict[str, Any]) -> None:
@@ -284,7 +313,14 @@ def main() -> None:
     ap.add_argument("--model", default="100m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rates", default="1,10")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="timed prompts per cell and round")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="passes over every rate and length, each cell's prompts taken in every one, so "
+        "that each cell spans the whole run's stretches of the host",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--modes", default="whole,layerwise,layerwise-fp8", help=f"of {list(MODES)}")
     ap.add_argument(
@@ -316,6 +352,8 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
         sys.exit(f"bench_multinode: unknown modes {unknown} (of {list(MODES)})")
+    if args.rounds < 1:
+        sys.exit("bench_multinode: --rounds must be at least 1")
     if args.interleave and args.stall:
         sys.exit("bench_multinode: --stall runs with one mode's servers at a time")
     if (reason := netns.available()) is not None:
@@ -366,8 +404,8 @@ def main() -> None:
                             decode,
                             [*decode_args, to_prefill, *decode_flags],
                             work / f"decode-{pair.mode}.log",
-                            pair,
-                            decode_cores,
+                            cores=decode_cores,
+                            pair=pair,
                         )
                     )
                     up.enter_context(
@@ -375,20 +413,31 @@ def main() -> None:
                             prefill,
                             [*prefill_args, *prefill_flags],
                             work / f"prefill-{pair.mode}.log",
-                            pair,
-                            prefill_cores,
+                            cores=prefill_cores,
+                            pair=pair,
                         )
                     )
-                for rate in parse_rates(args.rates):
-                    for node in cluster:
-                        netns.set_rate(node, rate)
-                    for length in lengths:
-                        for row in measure(cluster, group, rate, length, fresh_prompts(length)):
-                            rows.append(row)
-                            report(row)
-                    if args.stall:
-                        prompts = fresh_prompts(max(LENGTHS))
-                        rows.append(stall_row(decode, group[0], rate, prompts))
+                tallies: dict[tuple[str, float | None, int], Tally] = {}
+                for turn in range(1, args.rounds + 1):
+                    for rate in parse_rates(args.rates):
+                        for node in cluster:
+                            netns.set_rate(node, rate)
+                        for length in lengths:
+                            cell = {
+                                p.mode: tallies.setdefault((p.mode, rate, length), Tally())
+                                for p in group
+                            }
+                            measure(cluster, group, fresh_prompts(length), cell)
+                            if turn < args.rounds:
+                                link = "unlimited" if rate is None else f"{rate:g} Gbit/s"
+                                print(f"round {turn}: {link}, {length} tokens", flush=True)
+                                continue
+                            for pair in group:
+                                rows.append(cell[pair.mode].row(pair.mode, rate, length))
+                                report(rows[-1])
+                        if args.stall and turn == args.rounds:
+                            prompts = fresh_prompts(max(LENGTHS))
+                            rows.append(stall_row(decode, group[0], rate, prompts))
     versus_whole(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
