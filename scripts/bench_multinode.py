@@ -203,22 +203,19 @@ def send(cluster: netns.Cluster, pair: Pair, texts: list[str], path: Path) -> li
 
 
 def cell_row(
-    mode: str,
-    rate: float | None,
-    length: int,
-    before: Counts,
-    after: Counts,
-    stamps: list[list[float]],
+    mode: str, rate: float | None, length: int, counts: Counts, stamps: list[list[float]]
 ) -> dict[str, Any]:
+    """A cell's row from what its timed prompts added to the counters and their token times."""
+    none = [0.0, 0.0]
     # A decode step: the median gap after the second token. One gap alone misleads: two
     # responses sometimes reach the client together, a gap of ~0.
     steps = [statistics.median(b - a for a, b in itertools.pairwise(t[1:])) for t in stamps]
     added = statistics.median(t[1] - t[0] - step for t, step in zip(stamps, steps, strict=True))
     # A push's answer (and so its first token) waits for its last WRITEs after the pass: that
     # wait is the transfer's share of the request's time (mean over the cell's pushes).
-    push_wait = per_event(before[2], after[2])
+    push_wait = per_event(none, counts[2])
     added += push_wait
-    pass_s = per_event(before[0], after[0])
+    pass_s = per_event(none, counts[0])
     # When decode could run the request's first step (the KV and the first token in), from the
     # request's start: comparable across modes, whichever token waits for the KV.
     ready = statistics.median(t[1] - step for t, step in zip(stamps, steps, strict=True))
@@ -232,7 +229,7 @@ def cell_row(
         "step_s": statistics.median(steps),
         "added_s": added,
         "added_of_pass": added / pass_s,
-        "handoff_s": per_event(before[1], after[1]),
+        "handoff_s": per_event(none, counts[1]),
         "push_wait_s": push_wait,
         "ready_s": ready,
     }
@@ -252,8 +249,7 @@ class Tally:
         self.stamps += stamps
 
     def row(self, mode: str, rate: float | None, length: int) -> dict[str, Any]:
-        zero = ([0.0, 0.0], [0.0, 0.0], [0.0, 0.0])
-        return cell_row(mode, rate, length, zero, self.counts, self.stamps)
+        return cell_row(mode, rate, length, self.counts, self.stamps)
 
 
 def measure(
