@@ -3,8 +3,9 @@
 The owner registers its pool with its NIXL agent once (DRAM on CPUs, VRAM on GPUs) and serves
 two small endpoints on its advertised host: the release channel (``tcp://``, as for shm) and the
 signed metadata endpoint (``nixl_metadata``), named in every handle's ``peer``. A reader asks
-each owner for its metadata once, checks the MAC, adds the agent, and then READs a handle's
-blocks straight into blocks of its own pool: one descriptor per layer and contiguous run.
+each owner for its metadata once, checks the MAC, adds the agent (the owners it knows:
+``nixl_peers``), and then READs a handle's blocks straight into blocks of its own pool: one
+descriptor per layer and contiguous run.
 
 With ``transfer_dtype="fp8"`` the owner encodes a lease's blocks as e4m3 with per-head scales
 (``splitserve_kernels.fp8_encode_blocks``) into a registered copy of its pool (the wire pool)
@@ -14,8 +15,8 @@ bytes of bfloat16 cross the link.
 
 A READ that has not finished by ``transfer_timeout_s`` is abandoned. NIXL cannot cancel a
 posted READ (releasing its handle leaves the bytes landing), so its destination blocks are held
-here, not returned to the caller (``BlocksStillWritten``), until the transfer settles; the owner's
-lease then expires on its side.
+(``nixl_peers``), not returned to the caller (``BlocksStillWritten``), until the transfer
+settles; the owner's lease then expires on its side.
 
 Pushes (prefill WRITEs a prompt's layers into blocks decode named): decode's end is here and in
 ``nixl_push``, prefill's end posts and follows its WRITEs in ``nixl_push_sender``; both ends'
@@ -29,7 +30,6 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,8 +43,9 @@ from splitserve.kv.lease import LockedAllocator
 from splitserve.kv.pool import KVPool
 from splitserve.transport.channel import PULL
 from splitserve.transport.leased import LeasedTransport, contiguous_runs, copy_blocks
-from splitserve.transport.nixl_metadata import MetadataServer, PeerPool, request_pool
+from splitserve.transport.nixl_metadata import MetadataServer, PeerPool
 from splitserve.transport.nixl_parts import Wire, descriptor_table, mem_of, new_agent
+from splitserve.transport.nixl_peers import Peers
 from splitserve.transport.nixl_push import IncomingPushes
 from splitserve.transport.nixl_push_sender import COUNTS as PUSH_COUNTS
 from splitserve.transport.nixl_push_sender import PushSender
@@ -70,13 +71,6 @@ def default_advertise_host() -> str:
     """``$SPLITSERVE_ADVERTISE_HOST``, else what this host's name resolves to (a pod's IP in
     Kubernetes)."""
     return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
-
-
-@dataclass
-class _Abandoned:
-    xfer: Any
-    block_ids: list[int]
-    agent: str
 
 
 class NixlTransport(LeasedTransport):
@@ -115,14 +109,8 @@ class NixlTransport(LeasedTransport):
         self._registered: Any = None
         self._own: tuple[bytes, KVPool] | None = None
         self._metadata: MetadataServer | None = None
-        self._peers: dict[bytes, PeerPool] = {}
-        self._peer_used: dict[bytes, float] = {}
-        """When each known owner pool was last read: an owner whose server restarted (a new
-        pool, a new agent) or went away is forgotten after ``peer_idle_s`` without reads, or
-        at once after a READ from it failed; a live one is asked for its metadata again."""
-        self._abandoned: list[_Abandoned] = []
-        self._to_forget: set[bytes] = set()
-        """Owner pools to forget once their abandoned READs have settled."""
+        self._peers: Peers | None = None
+        """The owner pools read from (and push targets' pools), from registration on."""
         self._counts = dict.fromkeys(("transfer_timeouts", "transfer_errors"), 0)
         self._incoming = IncomingPushes(transfer_timeout_s) if accept_pushes else None
         """A reader's pushes (``push_target``): its registered pool takes prefill's WRITEs."""
@@ -158,6 +146,9 @@ class NixlTransport(LeasedTransport):
         self._agent = self._new_agent()
         self._xfers = Transfers(self._agent)
         self._pushes = PushSender(self._xfers, self._transfer_timeout_s)
+        self._peers = Peers(
+            self._xfers, self._ctx, self._key, self._metadata_timeout_s, self._peer_idle_s
+        )
         mem, device_id = mem_of(pool)
         nbytes = pool.num_blocks * pool.layout.block_bytes
         self._registered = self._agent.register_memory(
@@ -207,43 +198,9 @@ class NixlTransport(LeasedTransport):
         assert self._metadata is not None  # export runs only on a registered own pool
         return self._metadata.address
 
-    def _peer(self, h: KVHandle) -> PeerPool:
-        now = time.monotonic()
-        for pool_id, used in list(self._peer_used.items()):
-            if now - used > self._peer_idle_s and pool_id != h.pool_id:
-                self._forget(pool_id, "idle")
-        peer = self._peers.get(h.pool_id)
-        if peer is None:
-            if not h.peer.startswith("tcp://"):
-                raise InvalidHandle(f"KV handle names no NIXL metadata endpoint ({h.peer!r})")
-            peer = request_pool(self._ctx, self._key, h.peer, h.pool_id, self._metadata_timeout_s)
-            if peer.nbytes != peer.num_blocks * h.layout.block_bytes:
-                raise InvalidHandle("KV owner's pool does not hold whole blocks of this layout")
-            added = self._agent.add_remote_agent(peer.metadata)
-            added = added.decode() if isinstance(added, bytes) else str(added)
-            if added != peer.agent_name:
-                raise InvalidHandle(f"KV owner's metadata names agent {added!r}")
-            self._peers[h.pool_id] = peer
-        self._peer_used[h.pool_id] = now
-        return peer
-
-    def _forget(self, pool_id: bytes, why: str) -> None:
-        """Drop a known owner pool and its NIXL remote agent; once its abandoned READs have
-        settled, if some have not yet (``reap``)."""
-        peer = self._peers.get(pool_id)
-        self._to_forget.discard(pool_id)
-        if peer is None:
-            return
-        if any(item.agent == peer.agent_name for item in self._abandoned):
-            self._to_forget.add(pool_id)
-            return
-        del self._peers[pool_id]
-        self._peer_used.pop(pool_id, None)
-        try:
-            self._agent.remove_remote_agent(peer.agent_name)
-        except Exception:  # nixl's binding errors share no base class beyond Exception
-            log.warning("could not remove the NIXL agent %s", peer.agent_name, exc_info=True)
-        log.info("forgot the KV owner %s (%s)", peer.agent_name, why)
+    def _peer_table(self) -> Peers:
+        assert self._peers is not None  # made with the agent, before any transfer
+        return self._peers
 
     def _copy_in(self, handle: KVHandle, dst_block_ids: list[int], layers: range) -> int:
         assert self._pool is not None  # fetch checked it
@@ -255,7 +212,8 @@ class NixlTransport(LeasedTransport):
             own = self._own[1].tensor[span]
             copy_blocks(own, handle.block_ids, self._pool.tensor[span], dst_block_ids)
             return len(dst_block_ids) * layout.block_bytes // layout.num_layers * len(layers)
-        peer = self._peer(handle)
+        peers = self._peer_table()
+        peer = peers.reach(handle)
         if max(handle.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"KV handle names blocks beyond the owner's {peer.num_blocks}")
         if handle.encoding == "fp8" and (not peer.wire_base or not peer.scales_base):
@@ -272,7 +230,7 @@ class NixlTransport(LeasedTransport):
         except BlocksStillWritten:
             raise  # a stalled owner may answer yet: its READ is abandoned, not failed
         except Exception:
-            self._forget(handle.pool_id, "a READ from it failed")
+            peers.forget(handle.pool_id, "a READ from it failed")
             raise
         if handle.encoding == "fp8":
             assert self._wire is not None
@@ -338,7 +296,7 @@ class NixlTransport(LeasedTransport):
             running, state = xfers.wait([xfer], deadline)
             if running:
                 self._counts["transfer_timeouts"] += 1
-                self._abandoned.append(_Abandoned(xfer, list(dst), peer.agent_name))
+                self._peer_table().abandon(xfer, dst, peer)
                 raise BlocksStillWritten(
                     f"KV transfer from {peer.agent_name} did not finish within "
                     f"{self._transfer_timeout_s:g} s",
@@ -453,7 +411,7 @@ class NixlTransport(LeasedTransport):
         sender = self._push_sender()
         sender.claim(h)
         sender.settle_abandoned()
-        peer = self._peer(h)
+        peer = self._peer_table().reach(h)
         if max(h.block_ids) >= peer.num_blocks:
             raise InvalidHandle(f"push target names blocks beyond the pool's {peer.num_blocks}")
         if h.encoding == "fp8" and (not peer.wire_base or not peer.scales_base):
@@ -471,7 +429,7 @@ class NixlTransport(LeasedTransport):
         h = push.target
         if h.encoding == "fp8":
             self._encode(push.src_block_ids, layers)
-        peer = self._peers[h.pool_id]
+        peer = self._peer_table().known(h.pool_id)
         runs = np.array(contiguous_runs(push.src_block_ids, h.block_ids), dtype=np.uint64)
         runs = runs.reshape(-1, 3)
         local, remote = self._descriptors(peer, runs[:, [0, 2]], runs[:, 1:], layers, h.encoding)
@@ -499,26 +457,20 @@ class NixlTransport(LeasedTransport):
         """Return the blocks of abandoned transfers that have settled; how many are still held.
         Runs on the reader's own thread (its allocator is not locked)."""
         assert self._pool is not None
-        held, failed = [], set()
-        xfers = self._transfers()
-        for item in self._abandoned:
-            state = xfers.state(item.xfer)
-            if state == "PROC":
-                held.append(item)
-                continue
-            if state != "DONE":
-                failed.add(item.agent)
-            xfers.release(item.xfer)
-            self._pool.allocator.free(item.block_ids)
-        self._abandoned = held
-        for pool_id, peer in list(self._peers.items()):
-            if peer.agent_name in failed or pool_id in self._to_forget:
-                self._forget(pool_id, "a READ from it failed")
-        return sum(len(item.block_ids) for item in held)
+        peers = self._peer_table()
+        freed = peers.settle()
+        if freed:
+            self._pool.allocator.free(freed)
+        return peers.held_blocks
 
     def stats(self) -> dict[str, int]:
-        held = sum(len(item.block_ids) for item in self._abandoned)
-        counts = {**super().stats(), **self._counts, "held_blocks": held, "peers": len(self._peers)}
+        peers = self._peers
+        counts = {
+            **super().stats(),
+            **self._counts,
+            "held_blocks": 0 if peers is None else peers.held_blocks,
+            "peers": 0 if peers is None else len(peers),
+        }
         counts.update(self._pushes.counts if self._pushes else dict.fromkeys(PUSH_COUNTS, 0))
         if self._incoming is not None:
             counts.update(self._incoming.counts)
@@ -531,17 +483,9 @@ class NixlTransport(LeasedTransport):
             self._metadata.close()
         if self._agent is None:
             return
-        xfers = self._transfers()
-        for item in self._abandoned:
-            xfers.release(item.xfer)
-        self._abandoned.clear()
         if self._pushes is not None:
             self._pushes.close()
-        for peer in self._peers.values():
-            self._agent.remove_remote_agent(peer.agent_name)
-        self._peers.clear()
-        self._peer_used.clear()
-        self._to_forget.clear()
+        self._peer_table().close()
         if self._wire is not None:
             self._wire.close()
             self._wire = None
