@@ -69,12 +69,13 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "fp8"])
     args = ap.parse_args()
     os.environ.setdefault("UCX_TLS", "tcp")  # as between two hosts
-    key = generate_key()
-    loopback = {"advertise_host": "127.0.0.1"}
+    key, host = generate_key(), "127.0.0.1"
     for dtype in args.dtypes:
         with (
-            NixlTransport(key, transfer_dtype=dtype, **loopback) as prefill,
-            NixlTransport(key, accept_pushes=True, transfer_dtype=dtype, **loopback) as decode,
+            NixlTransport(key, transfer_dtype=dtype, advertise_host=host) as prefill,
+            NixlTransport(
+                key, accept_pushes=True, transfer_dtype=dtype, advertise_host=host
+            ) as decode,
         ):
             prefill.register(prefill.create_pool(LAYOUT, POOL_BLOCKS))
             decode.register(KVPool(LAYOUT, POOL_BLOCKS))
